@@ -1,0 +1,34 @@
+"""lplugins: pytest-style plugins for PyTorch Lightning.
+
+Plugins implement the hooks in :mod:`lplugins.hookspecs` and are discovered through the
+``lplugins`` entry-point group; built-in plugins go through the same hooks. Use :func:`compose` to
+turn names into objects for a stock ``lightning.pytorch.Trainer`` and :func:`attach` to add
+callbacks to a Trainer you already have.
+"""
+
+from __future__ import annotations
+
+from lplugins._compose import attach, compose
+from lplugins._errors import CompositionError, LPluginsError, PluginError, UnknownNameError
+from lplugins._manager import PluginInfo, PluginManager, PluginWarning, get_manager, load
+from lplugins._registry import Component
+from lplugins.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Component",
+    "CompositionError",
+    "LPluginsError",
+    "PluginError",
+    "PluginInfo",
+    "PluginManager",
+    "PluginWarning",
+    "UnknownNameError",
+    "__version__",
+    "attach",
+    "compose",
+    "get_manager",
+    "hookimpl",
+    "load",
+]

@@ -1,0 +1,96 @@
+"""Exceptions raised by lplugins.
+
+Every error names the offending value and says what is allowed, in the style of pytest's
+``Error importing plugin "x"`` and Lightning's registry messages.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class LPluginsError(Exception):
+    """Base class of every error lplugins raises on purpose."""
+
+
+class PluginError(LPluginsError):
+    """A plugin could not be loaded, validated or run.
+
+    The message names the plugin, its distribution and version and its entry point; the
+    original exception is chained as ``__cause__``.
+
+    Attributes:
+        plugin: The plugin's name (its entry-point name, or the built-in name).
+        distribution: The distribution that provides it (``"lplugins"`` for built-ins), if known.
+        version: The distribution's version, if known.
+        entry_point: ``"name = module:attr"`` of the entry point, if it came from one.
+        stage: What failed: ``"import"``, ``"validate"``, ``"hook"`` or ``"register"``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        plugin: str,
+        distribution: str | None = None,
+        version: str | None = None,
+        entry_point: str | None = None,
+        stage: str = "register",
+    ) -> None:
+        self.plugin = plugin
+        self.distribution = distribution
+        self.version = version
+        self.entry_point = entry_point
+        self.stage = stage
+        self.reason = message
+        super().__init__(f"{describe_plugin(plugin, distribution, version, entry_point)}: {message}")
+
+
+def describe_plugin(
+    plugin: str, distribution: str | None, version: str | None, entry_point: str | None
+) -> str:
+    """Return ``plugin "name" (dist 1.0, entry point "x = y")`` for error messages."""
+    parts = []
+    if distribution:
+        parts.append(f"{distribution} {version}" if version else distribution)
+    if entry_point:
+        parts.append(f'entry point "{entry_point}"')
+    where = f" ({', '.join(parts)})" if parts else ""
+    return f'plugin "{plugin}"{where}'
+
+
+class UnknownNameError(LPluginsError, ValueError):
+    """A name was not found in a registry.
+
+    Attributes:
+        kind: The registry, e.g. ``"strategy"``.
+        name: The unknown name.
+        available: The names that exist.
+    """
+
+    def __init__(self, kind: str, name: str, available: Iterable[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.available = sorted(available)
+        super().__init__(unknown_name_message(kind, name, self.available))
+
+
+def unknown_name_message(kind: str, name: object, available: Iterable[str]) -> str:
+    """Build the message for an unknown name, with the closest match if there is one."""
+    names = sorted(available)
+    msg = f"Unknown {kind} {name!r}. Available {kind} names: {', '.join(names) if names else '(none)'}."
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    if close:
+        msg += f" Did you mean {close[0]!r}?"
+    return msg
+
+
+def closest(name: str, choices: Iterable[str]) -> str | None:
+    """Return the closest of ``choices`` to ``name`` or ``None``."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+class CompositionError(LPluginsError, ValueError):
+    """Trainer arguments that cannot be composed (an incompatible pair, a duplicate callback...)."""

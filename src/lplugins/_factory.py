@@ -1,0 +1,28 @@
+"""Zero-code mode: Lightning's ``lightning.pytorch.callbacks_factory`` entry point.
+
+lplugins declares this entry point so that, when ``LPLUGINS_AUTO_CALLBACKS=1``, every plain
+``lightning.pytorch.Trainer`` receives the callbacks that plugins contribute through
+``lplugins_trainer_callbacks`` -- with lplugins' blocking (``LPLUGINS_DISABLE``...) and error
+reporting (a failing plugin is named; in lenient mode it is skipped with a warning) instead of
+Lightning's (one raising factory aborts ``Trainer()`` with a bare traceback). Without the variable,
+the factory returns nothing and costs nothing.
+
+Strategy names cannot be added from here (Lightning checks them before this entry point runs):
+call :func:`lplugins.load` before building the Trainer for those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lplugins._manager import env_flag, get_manager
+
+#: Set to 1 to enable zero-code mode.
+ENV_VAR = "LPLUGINS_AUTO_CALLBACKS"
+
+
+def callbacks_factory() -> list[Any]:
+    """Return the callbacks that plugins contribute, or ``[]`` unless zero-code mode is on."""
+    if not env_flag(ENV_VAR):
+        return []
+    return get_manager().trainer_callbacks({})

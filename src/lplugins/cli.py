@@ -1,0 +1,80 @@
+"""The ``lplugins`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from lplugins._manager import PluginManager, load
+
+
+def _format_plugins(manager: PluginManager) -> str:
+    lines: list[str] = []
+    for info in manager.plugins():
+        origin = "built-in" if info.builtin else "external"
+        dist = f"{info.distribution} {info.version}" if info.distribution else "(in-process)"
+        lines.append(f"{info.name}  [{info.status}]  {origin}, {dist}")
+        if info.entry_point:
+            lines.append(f"    entry point: {info.entry_point}")
+        for kind, names in info.registered.items():
+            if not names:
+                continue
+            lines.append(f"    {kind}:")
+            registry = manager.registry(kind)
+            for name in names:
+                desc = registry.get(name).description if name in registry else ""
+                lines.append(f"      {name}" + (f" - {desc}" if desc else ""))
+        if info.contributes_callbacks:
+            lines.append("    contributes callbacks to every composed Trainer")
+        if info.error:
+            lines.append(f"    error: {info.error}")
+    return "\n".join(lines)
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    manager = load(strict=not args.lenient)
+    if args.json:
+        print(json.dumps({"plugins": [p.as_dict() for p in manager.plugins()]}, indent=2))
+    else:
+        print(_format_plugins(manager))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``lplugins`` command."""
+    parser = argparse.ArgumentParser(prog="lplugins", description="pytest-style plugins for PyTorch Lightning.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_list = sub.add_parser(
+        "list",
+        help="list plugins and what they registered",
+        description="List every plugin (built-in and installed): its distribution and version, what it "
+        "registered, and whether it is blocked or failed. Honours LPLUGINS_DISABLE_AUTOLOAD, "
+        "LPLUGINS_PLUGINS and LPLUGINS_DISABLE.",
+    )
+    p_list.add_argument("--json", action="store_true", help="print JSON")
+    p_list.add_argument(
+        "--lenient", action="store_true", help="report failing plugins instead of stopping at the first"
+    )
+    p_list.set_defaults(func=_cmd_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lplugins`` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except Exception as exc:  # a clean message for the CLI; the traceback is for Python callers
+        from lplugins._errors import LPluginsError
+
+        if isinstance(exc, LPluginsError):
+            print(f"lplugins: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
