@@ -60,8 +60,8 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
     accelerator = resolve_accelerator(out.get("accelerator"))
     strategy_component = None
     strategy = out.get("strategy")
-    if isinstance(strategy, str):
-        strategy_component, out["strategy"] = _resolve_strategy(manager, strategy)
+    if isinstance(strategy, (str, Mapping)):
+        strategy_component, out["strategy"] = _resolve_strategy(manager, strategy, trainer_kwargs)
 
     resolved_plugins: list[Any] = []
     for item in plugins:
@@ -163,11 +163,31 @@ def _lightning_strategy_names() -> list[str]:
     return ["auto", *StrategyRegistry.available_strategies()]
 
 
-def _resolve_strategy(manager: PluginManager, name: str) -> tuple[Any, Any]:
+def _wants_trainer_kwargs(factory: Any) -> bool:
+    try:
+        return "trainer_kwargs" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _resolve_strategy(manager: PluginManager, spec: Any, trainer_kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
+    """A name or ``{"name": ..., **params}``; a factory with a ``trainer_kwargs`` parameter gets them."""
     registry = manager.registry("strategy")
+    params: dict[str, Any] = {}
+    if isinstance(spec, Mapping):
+        if "name" not in spec:
+            raise CompositionError(f"strategy={dict(spec)!r} needs a 'name' key: {{'name': ..., **params}}.")
+        params = {k: v for k, v in spec.items() if k != "name"}
+        name = spec["name"]
+        if name not in registry:
+            raise UnknownNameError("strategy", name, registry)
+    else:
+        name = spec
     if name in registry:
         component = registry.get(name)
-        return component, component.create()
+        if _wants_trainer_kwargs(component.factory):
+            params.setdefault("trainer_kwargs", MappingProxyType(dict(trainer_kwargs)))
+        return component, component.create(**params)
     lightning_names = _lightning_strategy_names()
     if name in lightning_names:
         return None, name

@@ -32,6 +32,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("strategies", "lplugins._builtins.strategies"),
     ("accumulation", "lplugins._builtins.accumulation"),
     ("checkpoint", "lplugins._builtins.checkpoint"),
+    ("logging", "lplugins._builtins.logging"),
 )
 
 #: Built-ins that cannot be blocked: without them, Lightning's own names would not resolve.
