@@ -1,0 +1,1 @@
+"""acme-lplugins: an example lplugins plugin package."""

@@ -1,0 +1,270 @@
+"""The plugin manager: discovery, controls, error isolation, nothing half-registered."""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import pytest
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+import lplugins
+from lplugins import LPluginsError, PluginError, PluginManager, PluginWarning
+from lplugins._manager import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+
+
+def _plugin(**hooks: Any) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**hooks)
+
+
+def _strategies(*names: str) -> Any:
+    def lplugins_register_strategies(register: Any) -> None:
+        for name in names:
+            register(name, DDPStrategy, description=f"test {name}", defaults={"process_group_backend": "gloo"})
+
+    return lplugins_register_strategies
+
+
+@pytest.fixture
+def manager() -> Any:
+    m = PluginManager(strict=True)
+    yield m
+    m.close()
+
+
+def test_builtins_are_registered_by_name_through_the_hooks(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=[])
+    names = [p.name for p in manager.plugins()]
+    assert names == [name for name, _ in BUILTIN_PLUGINS]
+    core = manager.plugin("core")
+    assert core.builtin and core.status == "loaded" and core.distribution == "lplugins"
+    assert "model_checkpoint" in core.registered["callback"]
+    assert manager.get("callback", "lr_monitor").plugin == "core"
+
+
+def test_builtin_can_be_blocked_by_name(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=["checkpoint"])
+    assert manager.plugin("checkpoint").status == "blocked"
+    assert all(c.plugin != "checkpoint" for c in manager.registry("callback").components())
+
+
+def test_builtin_blocked_from_environment(monkeypatch: pytest.MonkeyPatch, manager: PluginManager) -> None:
+    monkeypatch.setenv("LPLUGINS_DISABLE", "logging, checkpoint")
+    manager.load(autoload=False)
+    assert manager.plugin("logging").status == "blocked"
+    assert manager.plugin("checkpoint").status == "blocked"
+    assert manager.plugin("core").status == "loaded"
+
+
+def test_essential_plugin_refuses_to_be_blocked(manager: PluginManager) -> None:
+    assert "core" in ESSENTIAL_PLUGINS
+    with pytest.raises(LPluginsError, match="'core' is essential and cannot be blocked"):
+        manager.load(autoload=False, disable=["core"])
+
+
+def test_entry_point_plugins_are_discovered_in_a_stable_order(fake_entry_points: Any, manager: PluginManager) -> None:
+    fake_entry_points({"zeta": _plugin(lplugins_register_strategies=_strategies("zeta_ddp"))}, distribution="zeta-dist")
+    fake_entry_points({"alpha": _plugin(lplugins_register_strategies=_strategies("alpha_ddp"))}, distribution="a-dist")
+    manager.load(autoload=True, disable=[])
+    external = [p for p in manager.plugins() if not p.builtin]
+    assert [p.name for p in external] == ["alpha", "zeta"]
+    assert external[0].distribution == "a-dist" and external[0].version == "1.0"
+    assert external[0].entry_point is not None and external[0].entry_point.startswith("alpha = ")
+    assert StrategyRegistry["alpha_ddp"]["init_params"] == {"process_group_backend": "gloo"}
+    assert isinstance(StrategyRegistry.get("zeta_ddp"), DDPStrategy)
+
+
+def test_close_removes_strategies_from_lightning(fake_entry_points: Any) -> None:
+    fake_entry_points({"p": _plugin(lplugins_register_strategies=_strategies("temp_ddp"))})
+    m = PluginManager().load(disable=[])
+    assert "temp_ddp" in StrategyRegistry
+    m.close()
+    assert "temp_ddp" not in StrategyRegistry
+    assert "temp_ddp" not in m.registry("strategy")
+
+
+def test_autoload_disabled_by_environment(
+    fake_entry_points: Any, monkeypatch: pytest.MonkeyPatch, manager: PluginManager
+) -> None:
+    fake_entry_points({"ext": _plugin(lplugins_register_strategies=_strategies("ext_ddp"))})
+    monkeypatch.setenv("LPLUGINS_DISABLE_AUTOLOAD", "1")
+    manager.load(disable=[])
+    assert all(p.builtin for p in manager.plugins())
+    assert "ext_ddp" not in StrategyRegistry
+
+
+def test_allow_list_loads_only_named_plugins(
+    fake_entry_points: Any, monkeypatch: pytest.MonkeyPatch, manager: PluginManager
+) -> None:
+    fake_entry_points({"one": _plugin(lplugins_register_strategies=_strategies("one_ddp"))}, distribution="one-dist")
+    fake_entry_points({"two": _plugin(lplugins_register_strategies=_strategies("two_ddp"))}, distribution="two-dist")
+    monkeypatch.setenv("LPLUGINS_PLUGINS", "two-dist")  # a distribution name works as well as a plugin name
+    manager.load(disable=[])
+    assert [p.name for p in manager.plugins() if not p.builtin] == ["two"]
+    assert "one_ddp" not in StrategyRegistry
+
+
+def test_allow_list_works_with_autoload_disabled(fake_entry_points: Any, manager: PluginManager) -> None:
+    fake_entry_points({"one": _plugin(lplugins_register_strategies=_strategies("one_ddp"))})
+    fake_entry_points({"two": _plugin(lplugins_register_strategies=_strategies("two_ddp"))})
+    manager.load(autoload=False, allow=["one"], disable=[])
+    assert [p.name for p in manager.plugins() if not p.builtin] == ["one"]
+
+
+def test_allow_list_with_unknown_name_is_an_error(fake_entry_points: Any, manager: PluginManager) -> None:
+    fake_entry_points({"acme": _plugin()}, distribution="acme-lplugins")
+    with pytest.raises(LPluginsError, match=r"'acmee'.*Did you mean 'acme'"):
+        manager.load(allow=["acmee"], disable=[])
+
+
+def test_block_list_blocks_an_entry_point_plugin(fake_entry_points: Any, manager: PluginManager) -> None:
+    fake_entry_points({"ext": _plugin(lplugins_register_strategies=_strategies("ext_ddp"))})
+    manager.load(disable=["ext"])
+    assert manager.plugin("ext").status == "blocked"
+    assert "ext_ddp" not in StrategyRegistry
+
+
+def test_block_list_with_unknown_name_warns(manager: PluginManager) -> None:
+    with pytest.warns(UserWarning, match="'nosuch', which matches no plugin"):
+        manager.load(autoload=False, disable=["nosuch"])
+
+
+def test_broken_import_names_plugin_distribution_version_and_entry_point(
+    fake_entry_points: Any, manager: PluginManager
+) -> None:
+    fake_entry_points({"good": _plugin(lplugins_register_strategies=_strategies("good_ddp"))}, distribution="a-good")
+    fake_entry_points({"broken": "no_such_module_xyz:plugin"}, distribution="broken-dist", version="3.1")
+    with pytest.raises(PluginError) as info:
+        manager.load(disable=[])
+    err = info.value
+    text = str(err)
+    assert 'plugin "broken"' in text and "broken-dist 3.1" in text and "broken = no_such_module_xyz:plugin" in text
+    assert err.stage == "import"
+    assert isinstance(err.__cause__, ModuleNotFoundError)
+    assert "broken" not in [p.name for p in manager.plugins()]
+
+
+def test_wrong_hook_signature_is_rejected(fake_entry_points: Any, manager: PluginManager) -> None:
+    def lplugins_register_strategies(register: Any, nonsense: Any) -> None:
+        raise AssertionError("must not be called")
+
+    fake_entry_points({"bad": _plugin(lplugins_register_strategies=lplugins_register_strategies)}, distribution="bd")
+    with pytest.raises(PluginError, match=r'(?s)plugin "bad" \(bd 1.0.*invalid hook implementation.*nonsense') as info:
+        manager.load(disable=[])
+    assert info.value.stage == "validate"
+    assert info.value.__cause__ is not None
+
+
+def test_misspelled_hook_is_rejected_with_a_suggestion(fake_entry_points: Any, manager: PluginManager) -> None:
+    fake_entry_points({"typo": _plugin(lplugins_register_strategy=_strategies("x"))})
+    with pytest.raises(PluginError, match="unknown hook 'lplugins_register_strategy'.*Did you mean"):
+        manager.load(disable=[])
+
+
+def test_hook_that_raises_leaves_nothing_half_registered(fake_entry_points: Any, manager: PluginManager) -> None:
+    def lplugins_register_strategies(register: Any) -> None:
+        register("half_ddp", DDPStrategy)
+        raise RuntimeError("boom after registering one")
+
+    def lplugins_register_callbacks(register: Any) -> None:
+        register("half_cb", lambda: None)
+
+    fake_entry_points(
+        {"half": _plugin(lplugins_register_strategies=lplugins_register_strategies,
+                         lplugins_register_callbacks=lplugins_register_callbacks)}
+    )
+    with pytest.raises(PluginError, match="raised RuntimeError: boom after registering one") as info:
+        manager.load(disable=[])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "half_ddp" not in StrategyRegistry
+    assert "half_ddp" not in manager.registry("strategy")
+    assert "half_cb" not in manager.registry("callback")
+    assert not any(impl.plugin_name == "half" for impl in manager.hook.lplugins_register_callbacks.get_hookimpls())
+
+
+def test_two_plugins_registering_the_same_name(fake_entry_points: Any, manager: PluginManager) -> None:
+    fake_entry_points({"first": _plugin(lplugins_register_strategies=_strategies("shared_ddp"))}, distribution="d1")
+    fake_entry_points({"second": _plugin(lplugins_register_strategies=_strategies("own_ddp", "shared_ddp"))},
+                      distribution="d2", version="2.0")
+    with pytest.raises(PluginError, match=r"plugin \"second\" \(d2 2.0.*'shared_ddp' is already registered by plugin "
+                                          r"'first'.*LPLUGINS_DISABLE"):
+        manager.load(disable=[])
+    assert manager.get("strategy", "shared_ddp").plugin == "first"
+    assert "own_ddp" not in StrategyRegistry  # nothing of the failing plugin remains
+
+
+def test_name_that_lightning_already_has_is_refused(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=[])
+    with pytest.raises(PluginError, match="'ddp' is already in Lightning's StrategyRegistry"):
+        manager.register(_plugin(lplugins_register_strategies=_strategies("ddp")), "clash")
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy and "init_params" in StrategyRegistry["ddp"]
+
+
+def test_lenient_mode_reports_and_carries_on(fake_entry_points: Any) -> None:
+    fake_entry_points({"broken": "no_such_module_xyz:plugin"}, distribution="broken-dist")
+    fake_entry_points({"fine": _plugin(lplugins_register_strategies=_strategies("fine_ddp"))}, distribution="fine")
+    m = PluginManager(strict=False)
+    try:
+        with pytest.warns(PluginWarning, match='plugin "broken" \\(broken-dist'):
+            m.load(disable=[])
+        assert [f.name for f in m.failures] == ["broken"]
+        assert "No module named 'no_such_module_xyz'" in (m.failures[0].error or "")
+        assert m.plugin("fine").status == "loaded" and "fine_ddp" in StrategyRegistry
+    finally:
+        m.close()
+
+
+def test_lenient_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LPLUGINS_STRICT", "0")
+    assert PluginManager().strict is False
+    monkeypatch.setenv("LPLUGINS_STRICT", "maybe")
+    with pytest.raises(LPluginsError, match="LPLUGINS_STRICT='maybe' is not a boolean"):
+        PluginManager()
+
+
+def test_prefixed_functions_need_no_marker(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=[])
+    module = types.ModuleType("plain_plugin")
+
+    def lplugins_register_callbacks(register: Any) -> None:
+        register("plain_cb", lambda: None, description="no marker")
+
+    module.lplugins_register_callbacks = lplugins_register_callbacks  # type: ignore[attr-defined]
+    module.helper = lambda: None  # type: ignore[attr-defined]  # not a hook: ignored
+    info = manager.register(module)
+    assert info.name == "plain_plugin" and info.registered == {"callback": ["plain_cb"]}
+
+
+def test_register_validates_names_and_metadata(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=[])
+
+    def bad_name(register: Any) -> None:
+        register("has space", DDPStrategy)
+
+    with pytest.raises(PluginError, match="Invalid strategy name 'has space'"):
+        manager.register(_plugin(lplugins_register_strategies=bad_name), "p1")
+
+    def bad_meta(register: Any) -> None:
+        register("x", DDPStrategy, colour="red")
+
+    with pytest.raises(PluginError, match=r"unexpected keyword\(s\) \['colour'\]"):
+        manager.register(_plugin(lplugins_register_strategies=bad_meta), "p2")
+
+
+def test_unknown_name_lists_available_and_closest(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=[])
+    with pytest.raises(lplugins.UnknownNameError, match=r"Unknown callback 'lr_monitr'.*Did you mean 'lr_monitor'"):
+        manager.get("callback", "lr_monitr")
+
+
+def test_default_manager_is_loaded_once() -> None:
+    first = lplugins.load()
+    assert lplugins.load() is first and lplugins.get_manager() is first
+
+
+def test_third_party_plugin_does_not_warn_when_healthy(fake_entry_points: Any, manager: PluginManager) -> None:
+    fake_entry_points({"ok": _plugin(lplugins_register_strategies=_strategies("ok_ddp"))})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager.load(disable=[])
