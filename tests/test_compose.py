@@ -89,7 +89,7 @@ def test_unknown_strategy_lists_names_and_closest(lplugins_manager: PluginManage
 
 
 def test_unknown_trainer_argument(lplugins_manager: PluginManager) -> None:
-    with pytest.raises(CompositionError, match="Unknown Trainer argument 'max_epoch'. Did you mean 'max_epochs'"):
+    with pytest.raises(CompositionError, match=r"Unknown Trainer argument 'max_epoch'. Did you mean 'max_epochs'"):
         lplugins.compose(max_epoch=3)
 
 
@@ -168,7 +168,7 @@ def test_incompatible_precision_and_strategy(lplugins_manager: PluginManager, lp
 
 
 def test_unknown_precision(lplugins_manager: PluginManager) -> None:
-    with pytest.raises(UnknownNameError, match="Unknown precision 'bf16-mixd'.*Did you mean 'bf16-mixed'"):
+    with pytest.raises(UnknownNameError, match=r"Unknown precision 'bf16-mixd'.*Did you mean 'bf16-mixed'"):
         lplugins.compose(precision="bf16-mixd")
 
 
@@ -188,8 +188,12 @@ def test_contributing_plugin_that_raises_is_named(lplugins_manager: PluginManage
     def lplugins_trainer_callbacks(trainer_kwargs: Any) -> None:
         raise KeyError("missing config")
 
-    lplugins_register(types.SimpleNamespace(lplugins_trainer_callbacks=lplugins_trainer_callbacks), "flaky",
-                      distribution="flaky-dist", version="0.3")
+    lplugins_register(
+        types.SimpleNamespace(lplugins_trainer_callbacks=lplugins_trainer_callbacks),
+        "flaky",
+        distribution="flaky-dist",
+        version="0.3",
+    )
     with pytest.raises(PluginError, match=r'plugin "flaky" \(flaky-dist 0.3\).*KeyError') as info:
         lplugins.compose()
     assert isinstance(info.value.__cause__, KeyError)
@@ -200,7 +204,7 @@ def test_contributing_plugin_that_raises_is_named(lplugins_manager: PluginManage
 
 def test_contributed_non_callback_is_rejected(lplugins_manager: PluginManager, lplugins_register: Any) -> None:
     lplugins_register(types.SimpleNamespace(lplugins_trainer_callbacks=lambda trainer_kwargs: ["nope"]), "weird")
-    with pytest.raises(PluginError, match="returned 'nope', which is not a lightning.pytorch.Callback"):
+    with pytest.raises(PluginError, match=r"returned 'nope', which is not a lightning.pytorch.Callback"):
         lplugins.compose()
 
 
@@ -221,8 +225,14 @@ def test_cluster_environment_by_name_and_detection(lplugins_manager: PluginManag
 
 
 def test_attach_orders_refuses_duplicates_and_checks_state(lplugins_manager: PluginManager, tmp_path: Path) -> None:
-    trainer = Trainer(default_root_dir=tmp_path, max_steps=3, accelerator="cpu", logger=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     counter = Counter()
     mc = {"name": "model_checkpoint", "dirpath": str(tmp_path / "mc"), "every_n_epochs": 2}
     attached = lplugins.attach(trainer, mc, counter)
@@ -236,8 +246,14 @@ def test_attach_orders_refuses_duplicates_and_checks_state(lplugins_manager: Plu
     ckpt = tmp_path / "attached.ckpt"
     trainer.save_checkpoint(ckpt)
 
-    resumed = Trainer(default_root_dir=tmp_path, max_steps=5, accelerator="cpu", logger=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+    resumed = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=5,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     counter2 = Counter()
     lplugins.attach(resumed, counter2)
     resumed.fit(BoringModel(), ckpt_path=ckpt)

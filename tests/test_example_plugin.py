@@ -46,8 +46,13 @@ def test_lightning_cli_accepts_a_plugin_strategy_name(acme_on_path: Path, tmp_pa
         cli = LightningCLI(
             BoringModel,
             run=False,
-            args=["--trainer.strategy=acme_ddp", "--trainer.accelerator=cpu", "--trainer.devices=1",
-                  f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"],
+            args=[
+                "--trainer.strategy=acme_ddp",
+                "--trainer.accelerator=cpu",
+                "--trainer.devices=1",
+                f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.logger=false",
+            ],
         )
         assert isinstance(cli.trainer.strategy, DDPStrategy)
         assert cli.trainer.strategy.process_group_backend == "gloo"
@@ -56,8 +61,13 @@ def test_lightning_cli_accepts_a_plugin_strategy_name(acme_on_path: Path, tmp_pa
 
 
 def test_cli_list_json_shows_the_plugin(acme_site: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "lplugins.cli", "list", "--json"], env={**os.environ, **_env(acme_site)},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "lplugins.cli", "list", "--json"],
+        env={**os.environ, **_env(acme_site)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     plugins = {p["name"]: p for p in json.loads(out)["plugins"]}
     assert plugins["acme"]["distribution"] == "acme-lplugins" and plugins["acme"]["version"] == "1.2.0"
     assert plugins["acme"]["registered"]["strategy"] == ["acme_ddp"]
@@ -66,8 +76,9 @@ def test_cli_list_json_shows_the_plugin(acme_site: Path) -> None:
 
 def test_cli_list_shows_blocked_and_failed(acme_site: Path, tmp_path: Path) -> None:
     env = {**os.environ, **_env(acme_site), "LPLUGINS_DISABLE": "acme"}
-    text = subprocess.run([sys.executable, "-m", "lplugins.cli", "list"], env=env, capture_output=True, text=True,
-                          check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "lplugins.cli", "list"], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "acme  [blocked]  external, acme-lplugins 1.2.0" in text
     # a broken installed plugin: strict exits 2 with the named error, --lenient lists it as failed
     broken = tmp_path / "site"
@@ -79,8 +90,13 @@ def test_cli_list_shows_blocked_and_failed(acme_site: Path, tmp_path: Path) -> N
     strict = subprocess.run([sys.executable, "-m", "lplugins.cli", "list"], env=env, capture_output=True, text=True)
     assert strict.returncode == 2
     assert 'plugin "broken" (broken-plugin 0.1, entry point "broken = broken_plugin_missing.plugin")' in strict.stderr
-    lenient = subprocess.run([sys.executable, "-m", "lplugins.cli", "list", "--json", "--lenient"], env=env,
-                             capture_output=True, text=True, check=True)
+    lenient = subprocess.run(
+        [sys.executable, "-m", "lplugins.cli", "list", "--json", "--lenient"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     failed = [p for p in json.loads(lenient.stdout)["plugins"] if p["status"] == "failed"]
     assert [p["name"] for p in failed] == ["broken"] and "broken_plugin_missing" in failed[0]["error"]
 
@@ -133,8 +149,9 @@ def test_zero_code_mode_gives_plain_trainers_the_contributed_callbacks(acme_site
     assert "AcmeAudit" in on.stdout.split("CALLBACKS=")[1]
     off = run_script(ZERO_CODE_JOB, tmp_path, env=_env(acme_site)).check()
     assert "AcmeAudit" not in off.stdout.split("CALLBACKS=")[1]
-    blocked = run_script(ZERO_CODE_JOB, tmp_path, env=_env(acme_site, LPLUGINS_AUTO_CALLBACKS="1",
-                                                            LPLUGINS_DISABLE="acme")).check()
+    blocked = run_script(
+        ZERO_CODE_JOB, tmp_path, env=_env(acme_site, LPLUGINS_AUTO_CALLBACKS="1", LPLUGINS_DISABLE="acme")
+    ).check()
     assert "AcmeAudit" not in blocked.stdout.split("CALLBACKS=")[1]
 
 
@@ -148,8 +165,12 @@ def test_zero_code_factory_isolates_a_failing_plugin(
     def lplugins_trainer_callbacks(trainer_kwargs: Any) -> None:
         raise RuntimeError("cannot reach audit server")
 
-    lplugins_register(types.SimpleNamespace(lplugins_trainer_callbacks=lplugins_trainer_callbacks), "audit",
-                      distribution="audit-dist", version="9")
+    lplugins_register(
+        types.SimpleNamespace(lplugins_trainer_callbacks=lplugins_trainer_callbacks),
+        "audit",
+        distribution="audit-dist",
+        version="9",
+    )
     assert callbacks_factory() == []  # off by default: costs nothing, changes nothing
     monkeypatch.setenv("LPLUGINS_AUTO_CALLBACKS", "1")
     with pytest.raises(lplugins.PluginError, match=r'plugin "audit" \(audit-dist 9\).*cannot reach audit server'):

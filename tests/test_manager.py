@@ -158,7 +158,7 @@ def test_wrong_hook_signature_is_rejected(fake_entry_points: Any, manager: Plugi
 
 def test_misspelled_hook_is_rejected_with_a_suggestion(fake_entry_points: Any, manager: PluginManager) -> None:
     fake_entry_points({"typo": _plugin(lplugins_register_strategy=_strategies("x"))})
-    with pytest.raises(PluginError, match="unknown hook 'lplugins_register_strategy'.*Did you mean"):
+    with pytest.raises(PluginError, match=r"unknown hook 'lplugins_register_strategy'.*Did you mean"):
         manager.load(disable=[])
 
 
@@ -171,8 +171,12 @@ def test_hook_that_raises_leaves_nothing_half_registered(fake_entry_points: Any,
         register("half_cb", lambda: None)
 
     fake_entry_points(
-        {"half": _plugin(lplugins_register_strategies=lplugins_register_strategies,
-                         lplugins_register_callbacks=lplugins_register_callbacks)}
+        {
+            "half": _plugin(
+                lplugins_register_strategies=lplugins_register_strategies,
+                lplugins_register_callbacks=lplugins_register_callbacks,
+            )
+        }
     )
     with pytest.raises(PluginError, match="raised RuntimeError: boom after registering one") as info:
         manager.load(disable=[])
@@ -185,10 +189,16 @@ def test_hook_that_raises_leaves_nothing_half_registered(fake_entry_points: Any,
 
 def test_two_plugins_registering_the_same_name(fake_entry_points: Any, manager: PluginManager) -> None:
     fake_entry_points({"first": _plugin(lplugins_register_strategies=_strategies("shared_ddp"))}, distribution="d1")
-    fake_entry_points({"second": _plugin(lplugins_register_strategies=_strategies("own_ddp", "shared_ddp"))},
-                      distribution="d2", version="2.0")
-    with pytest.raises(PluginError, match=r"plugin \"second\" \(d2 2.0.*'shared_ddp' is already registered by plugin "
-                                          r"'first'.*LPLUGINS_DISABLE"):
+    fake_entry_points(
+        {"second": _plugin(lplugins_register_strategies=_strategies("own_ddp", "shared_ddp"))},
+        distribution="d2",
+        version="2.0",
+    )
+    with pytest.raises(
+        PluginError,
+        match=r"plugin \"second\" \(d2 2.0.*'shared_ddp' is already registered by plugin "
+        r"'first'.*LPLUGINS_DISABLE",
+    ):
         manager.load(disable=[])
     assert manager.get("strategy", "shared_ddp").plugin == "first"
     assert "own_ddp" not in StrategyRegistry  # nothing of the failing plugin remains
@@ -268,3 +278,18 @@ def test_third_party_plugin_does_not_warn_when_healthy(fake_entry_points: Any, m
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         manager.load(disable=[])
+
+
+def test_fresh_manager_shadows_and_restores_the_default_managers_strategies(fake_entry_points: Any) -> None:
+    outer = PluginManager().load(disable=[])
+    try:
+        outer.register(_plugin(lplugins_register_strategies=_strategies("shadow_ddp")), "outer")
+        before = StrategyRegistry["shadow_ddp"]
+        inner = PluginManager().load(autoload=False, disable=[])
+        inner.register(_plugin(lplugins_register_strategies=_strategies("shadow_ddp")), "inner")
+        assert StrategyRegistry["shadow_ddp"] is not before
+        inner.close()
+        assert StrategyRegistry["shadow_ddp"] is before  # the outer manager's entry is back
+    finally:
+        outer.close()
+    assert "shadow_ddp" not in StrategyRegistry

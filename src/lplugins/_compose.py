@@ -125,8 +125,9 @@ def attach(trainer: Trainer, *callbacks: Callback | str, manager: PluginManager 
         )
     manager = manager or get_manager()
     new = [_resolve_callback(manager, cb) for cb in callbacks]
-    _check_duplicates(list(trainer.callbacks) + new)
-    trainer.callbacks = _CallbackConnector._reorder_callbacks(list(trainer.callbacks) + new)
+    existing: list[Callback] = list(getattr(trainer, "callbacks", []))
+    _check_duplicates(existing + new)
+    trainer.callbacks = _CallbackConnector._reorder_callbacks(existing + new)  # type: ignore[attr-defined]
     return new
 
 
@@ -152,7 +153,8 @@ def _check_trainer_arguments(kwargs: Mapping[str, Any]) -> None:
         if key not in _TRAINER_PARAMS:
             hint = closest(key, _TRAINER_PARAMS)
             raise CompositionError(
-                f"Unknown Trainer argument {key!r}." + (f" Did you mean {hint!r}?" if hint else "")
+                f"Unknown Trainer argument {key!r}."
+                + (f" Did you mean {hint!r}?" if hint else "")
                 + " See lightning.pytorch.Trainer for the accepted arguments."
             )
 
@@ -255,14 +257,12 @@ def _resolve_precision(
 
 
 def _is_cluster_environment(obj: Any) -> bool:
-    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
 
     return isinstance(obj, ClusterEnvironment)
 
 
-def _resolve_plugin(
-    manager: PluginManager, item: Any, accelerator: str, strategy: Any, strategy_component: Any
-) -> Any:
+def _resolve_plugin(manager: PluginManager, item: Any, accelerator: str, strategy: Any, strategy_component: Any) -> Any:
     if not isinstance(item, str):
         return item
     envs = manager.registry("cluster_environment")
@@ -315,10 +315,10 @@ def _resolve_callback(manager: PluginManager, item: Any) -> Callback:
         return item
     registry = manager.registry("callback")
     if isinstance(item, str):
-        return registry.get(item).create()  # type: ignore[no-any-return]
+        return registry.get(item).create()
     if isinstance(item, Mapping) and "name" in item:
         params = {k: v for k, v in item.items() if k != "name"}
-        return registry.get(item["name"]).create(**params)  # type: ignore[no-any-return]
+        return registry.get(item["name"]).create(**params)
     raise CompositionError(
         f"Callback {item!r} is neither a lightning.pytorch.Callback, a registered callback name "
         f"({', '.join(registry.names()) or 'none registered'}) nor {{'name': ..., **params}}."
@@ -341,6 +341,3 @@ def _check_duplicates(callbacks: Sequence[Callback]) -> None:
                 f"different arguments so that their state keys differ."
             )
         seen[key] = cb
-
-
-

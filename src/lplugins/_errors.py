@@ -47,9 +47,7 @@ class PluginError(LPluginsError):
         super().__init__(f"{describe_plugin(plugin, distribution, version, entry_point)}: {message}")
 
 
-def describe_plugin(
-    plugin: str, distribution: str | None, version: str | None, entry_point: str | None
-) -> str:
+def describe_plugin(plugin: str, distribution: str | None, version: str | None, entry_point: str | None) -> str:
     """Return ``plugin "name" (dist 1.0, entry point "x = y")`` for error messages."""
     parts = []
     if distribution:

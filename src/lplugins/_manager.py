@@ -19,7 +19,7 @@ from typing import Any
 import pluggy
 
 from lplugins import hookspecs
-from lplugins._errors import LPluginsError, PluginError, closest, describe_plugin
+from lplugins._errors import LPluginsError, PluginError, closest
 from lplugins._registry import KINDS, Component, Registry, validate_name
 
 #: The entry-point group that third-party plugins are published under.
@@ -179,6 +179,11 @@ class _Registrar:
         )
 
 
+#: Strategy names that some lplugins manager in this process mirrored into Lightning's registry,
+#: with how many managers currently hold each (a test's fresh manager may shadow the default one's).
+_MIRRORED_BY_LPLUGINS: dict[str, int] = {}
+
+
 def _lightning_strategy_registry() -> Any:
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -208,6 +213,7 @@ class PluginManager:
         self._plugins: dict[str, PluginInfo] = {}
         self._objects: dict[str, object] = {}
         self._mirrored: set[str] = set()
+        self._shadowed: dict[str, Any] = {}
         self.loaded = False
 
     # ------------------------------------------------------------------ queries
@@ -294,7 +300,7 @@ class PluginManager:
 
         for name, module_name in BUILTIN_PLUGINS:
             seen_names.add(name)
-            if name in blocked or "lplugins" in blocked and name not in ESSENTIAL_PLUGINS:
+            if name in blocked or ("lplugins" in blocked and name not in ESSENTIAL_PLUGINS):
                 self._record_blocked(name, "lplugins", _own_version(), None, builtin=True)
                 continue
             try:
@@ -467,8 +473,7 @@ class PluginManager:
             for component_name in names:
                 self._registries[kind]._remove(component_name)
                 if kind == "strategy" and component_name in self._mirrored:
-                    _lightning_strategy_registry().pop(component_name, None)
-                    self._mirrored.discard(component_name)
+                    self._unmirror(component_name)
 
     def close(self) -> None:
         """Unregister every plugin; the manager can then be loaded again."""
@@ -490,8 +495,9 @@ class PluginManager:
             status="blocked",
         )
 
-    def _fail(self, exc: PluginError, cause: BaseException | None, *, info: PluginInfo | None = None,
-              builtin: bool = False) -> PluginInfo:
+    def _fail(
+        self, exc: PluginError, cause: BaseException | None, *, info: PluginInfo | None = None, builtin: bool = False
+    ) -> PluginInfo:
         if self.strict:
             raise exc from cause
         if info is None:
@@ -550,7 +556,7 @@ class PluginManager:
                     f"block one of the two plugins with LPLUGINS_DISABLE={other} or LPLUGINS_DISABLE={name}",
                     "register",
                 )
-            if component.kind == "strategy" and component.name in lightning_names - self._mirrored:
+            if component.kind == "strategy" and component.name in lightning_names - set(_MIRRORED_BY_LPLUGINS):
                 raise _StageError(
                     f"strategy {component.name!r} is already in Lightning's StrategyRegistry "
                     f"(registered outside lplugins); choose another name",
@@ -560,13 +566,31 @@ class PluginManager:
     def _commit(self, component: Component) -> None:
         self._registries[component.kind]._add(component)
         if component.kind == "strategy" and self.mirror_lightning:
-            _lightning_strategy_registry().register(
+            registry = _lightning_strategy_registry()
+            if component.name in registry:  # mirrored by another lplugins manager: shadow it until we close
+                self._shadowed[component.name] = registry[component.name]
+            registry.register(
                 component.name,
                 component.factory,
                 description=component.description or f"registered by lplugins plugin {component.plugin!r}",
+                override=True,
                 **component.defaults,
             )
             self._mirrored.add(component.name)
+            _MIRRORED_BY_LPLUGINS[component.name] = _MIRRORED_BY_LPLUGINS.get(component.name, 0) + 1
+
+    def _unmirror(self, name: str) -> None:
+        registry = _lightning_strategy_registry()
+        if name in self._shadowed:
+            registry[name] = self._shadowed.pop(name)
+        else:
+            registry.pop(name, None)
+        self._mirrored.discard(name)
+        count = _MIRRORED_BY_LPLUGINS.get(name, 0) - 1
+        if count > 0:
+            _MIRRORED_BY_LPLUGINS[name] = count
+        else:
+            _MIRRORED_BY_LPLUGINS.pop(name, None)
 
     # ------------------------------------------------------------------ hooks with isolation
     def trainer_callbacks(self, trainer_kwargs: Mapping[str, Any]) -> list[Any]:
@@ -581,7 +605,7 @@ class PluginManager:
         for impl in self._pm.hook.lplugins_trainer_callbacks.get_hookimpls():
             info = self._plugins.get(impl.plugin_name)
             try:
-                out = impl.function(**{arg: trainer_kwargs for arg in impl.argnames})
+                out: Any = impl.function(**{arg: trainer_kwargs for arg in impl.argnames})
                 if out is None:
                     continue
                 items = [out] if isinstance(out, Callback) else list(out)

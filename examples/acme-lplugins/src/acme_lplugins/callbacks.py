@@ -20,8 +20,9 @@ class AcmeAudit(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(path=self.path)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.steps += 1
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

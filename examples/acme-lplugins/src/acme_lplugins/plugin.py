@@ -29,8 +29,12 @@ def _acme_double() -> Any:
 
 @lplugins.hookimpl
 def lplugins_register_strategies(register: Any) -> None:
-    register("acme_ddp", _acme_ddp, description="DDP over gloo with acme's defaults",
-             defaults={"process_group_backend": "gloo", "find_unused_parameters": False})
+    register(
+        "acme_ddp",
+        _acme_ddp,
+        description="DDP over gloo with acme's defaults",
+        defaults={"process_group_backend": "gloo", "find_unused_parameters": False},
+    )
 
 
 @lplugins.hookimpl
