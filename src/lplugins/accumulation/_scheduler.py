@@ -1,0 +1,427 @@
+"""The Lightning callback that applies a gradient-accumulation :class:`~lplugins.accumulation.Schedule`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lplugins.accumulation._schedules import Schedule, ScheduleContext, ScheduleError, schedule_from
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("lplugins")
+
+#: Progress-bar keys (shown by Lightning's progress bars; not sent to loggers).
+PBAR_FACTOR = "accum"
+PBAR_GLOBAL_BATCH = "global_batch"
+#: Logger metric names, written once per change, from rank zero.
+METRIC_FACTOR = "accumulation/factor"
+METRIC_GLOBAL_BATCH = "accumulation/global_batch"
+
+_STATE_VERSION = 1
+
+
+class AccumulationScheduler(Callback):
+    """Apply a gradient-accumulation schedule at optimizer-step boundaries.
+
+    A *window* is the run of micro-batches whose gradients make one optimizer step. The schedule is
+    asked for the size ``k`` of a window when the window starts, so a change never takes effect
+    inside a window. The loss of each micro-batch is divided by ``k`` (a window of ``k``
+    micro-batches of size ``b`` gives the gradient of one batch of ``k * b``), gradients are zeroed
+    at the start of a window only, DDP skips the gradient all-reduce on micro-batches that do not end
+    a window, and LR schedulers with ``interval="step"`` step once per optimizer step. As in
+    Lightning, the last window of an epoch ends with the epoch's last batch even if it is shorter
+    (its loss is still divided by ``k``).
+
+    Unlike ``Trainer(accumulate_grad_batches=k)`` and Lightning's ``GradientAccumulationScheduler``,
+    the window is counted by this callback rather than by ``batch_idx % k``, so the factor may
+    change in the middle of an epoch (step-keyed schedules, ramps) and resuming from a checkpoint
+    continues the same windows. The callback's state (optimizer steps, samples, position in the
+    window, world size) is saved in checkpoints.
+
+    With manual optimization, call :meth:`backward` instead of ``self.manual_backward`` and step the
+    optimizer when it returns ``True``.
+
+    Args:
+        schedule: A :class:`~lplugins.accumulation.Schedule`, or an epoch-keyed dict such as
+            ``{0: 8, 5: 4, 10: 2}``.
+        micro_batch_size: Samples per micro-batch on one process, for schedules that need it
+            (default: the schedule's own, then the training DataLoader's ``batch_size``, then the
+            size of the first batch).
+        log_changes: Log the factor and the effective global batch (rank zero, once per change)
+            to the Python logger ``"lplugins"`` and to the Trainer's loggers.
+        progress_bar: Show the factor (``accum``) and global batch in the progress bar.
+
+    Raises:
+        ScheduleError: ``schedule`` is not a schedule (at construction); before training: the
+            Trainer also sets ``accumulate_grad_batches``, another accumulation callback is present,
+            the strategy accumulates by itself (DeepSpeed), or the schedule cannot be met.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lplugins.accumulation import AccumulationScheduler, StepSchedule
+        >>> trainer = Trainer(callbacks=[AccumulationScheduler(StepSchedule({0: 8, 100: 4}))], logger=False)
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule | Mapping[int, int],
+        *,
+        micro_batch_size: int | None = None,
+        log_changes: bool = True,
+        progress_bar: bool = True,
+    ) -> None:
+        super().__init__()
+        self.schedule = schedule_from(schedule)
+        if micro_batch_size is not None and (
+            not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool) or micro_batch_size < 1
+        ):
+            raise ScheduleError(f"micro_batch_size={micro_batch_size!r} is not allowed; it must be an int >= 1.")
+        self.micro_batch_size = micro_batch_size
+        self.log_changes = log_changes
+        self.progress_bar = progress_bar
+        # position in training (saved in checkpoints)
+        self.steps = 0
+        self.samples = 0
+        self._pos = 0  # micro-batches already accumulated in the open window
+        self._k = 1  # size of the open window
+        self._boundary = False  # whether the current (or last) micro-batch ends its window by count
+        self._world_size: int | None = None
+        self._micro: int | None = None
+        # run-time only
+        self._loaded_world_size: int | None = None
+        self._announced: int | None = None
+        self._in_batch = False
+        self._manual = False
+        self._manual_called = False
+        self._installed: list[tuple[object, str]] = []
+
+    # ------------------------------------------------------------------ public
+    @property
+    def factor(self) -> int:
+        """The size of the current window (micro-batches per optimizer step)."""
+        return self._k
+
+    @property
+    def is_boundary(self) -> bool:
+        """Whether the current micro-batch ends its window by count (the epoch's last batch also does)."""
+        return self._boundary
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """The effective global batch of the current window, if the micro-batch size is known."""
+        return self.schedule.global_batch_size(self._k, micro_batch_size=self._micro, world_size=self._world_size or 1)
+
+    @staticmethod
+    def of(trainer: pl.Trainer) -> AccumulationScheduler:
+        """Return the trainer's ``AccumulationScheduler``.
+
+        Raises:
+            ScheduleError: the trainer has none.
+        """
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, AccumulationScheduler):
+                return cb
+        raise ScheduleError("This Trainer has no lplugins AccumulationScheduler callback.")
+
+    def backward(self, pl_module: pl.LightningModule, loss: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        """Manual optimization: scaled backward, without gradient sync inside a window.
+
+        Divides ``loss`` by the window size, calls ``pl_module.manual_backward`` (under the
+        strategy's ``block_backward_sync`` unless the micro-batch ends the window) and returns
+        whether the caller should now step the optimizer and zero the gradients.
+
+        Args:
+            pl_module: The LightningModule (``self`` in ``training_step``).
+            loss: The micro-batch loss.
+            *args: Passed to ``manual_backward``.
+            **kwargs: Passed to ``manual_backward``.
+
+        Returns:
+            ``True`` when this micro-batch ends the window: call ``opt.step()`` and ``opt.zero_grad()``.
+
+        Example::
+
+            def training_step(self, batch, batch_idx):
+                opt = self.optimizers()
+                loss = self.compute_loss(batch)
+                if AccumulationScheduler.of(self.trainer).backward(self, loss):
+                    opt.step()
+                    opt.zero_grad()
+        """
+        from lightning.pytorch.strategies import ParallelStrategy
+
+        trainer = pl_module.trainer
+        self._manual_called = True
+        closes = self._closes_window(trainer)
+        scaled = loss / self._k
+        strategy = trainer.strategy
+        if not closes and isinstance(strategy, ParallelStrategy):
+            with strategy.block_backward_sync():
+                pl_module.manual_backward(scaled, *args, **kwargs)
+        else:
+            pl_module.manual_backward(scaled, *args, **kwargs)
+        return closes
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._check_trainer(trainer, pl_module)
+        self._manual = not pl_module.automatic_optimization
+        if not self._manual:
+            self._install(trainer)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        world = trainer.world_size
+        if self._loaded_world_size is not None and self._loaded_world_size != world:
+            if trainer.is_global_zero:
+                log.info(
+                    f"lplugins: world size changed from {self._loaded_world_size} to {world} since the checkpoint; "
+                    f"the accumulation factor of {self.schedule!r} is re-derived for {world} processes."
+                )
+            self._pos = 0  # the open window (whose gradients the checkpoint does not hold) starts afresh
+        self._world_size = world
+        self._micro = self._resolve_micro(trainer)
+        if self._micro is not None or not self.schedule.needs_micro_batch_size:
+            self.schedule.check(micro_batch_size=self._micro, world_size=world)
+            if self._pos == 0:
+                self._factor_now(trainer)  # fail now, not at the first window
+        if self._pos > 0 and not self._manual:
+            trainer.accumulate_grad_batches = self._k
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pos == 0:
+            if self._micro is None and self.schedule.needs_micro_batch_size:
+                self._micro = self._infer_micro(batch)
+                self.schedule.check(micro_batch_size=self._micro, world_size=self._world_size or 1)
+            k = self._factor_now(trainer)
+            self._k = k
+            if not self._manual:
+                trainer.accumulate_grad_batches = k
+            if k != self._announced:
+                self._announce(trainer, pl_module, k)
+        self._boundary = self._pos + 1 >= self._k
+        self._in_batch = True
+        self._manual_called = False
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._manual and not self._manual_called and self._k > 1:
+            raise ScheduleError(
+                "With manual optimization, lplugins cannot accumulate gradients for you: call "
+                "`AccumulationScheduler.of(self.trainer).backward(self, loss)` instead of `self.manual_backward(loss)` "
+                "in training_step, and step/zero the optimizer only when it returns True."
+            )
+        self.steps, self.samples, self._pos = self._advanced(trainer)
+        self._in_batch = False
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning ends every window with the epoch (its last batch steps); a window cut short by
+        # `on_train_batch_start` returning -1 is dropped, as Lightning does.
+        self._pos = 0
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        for obj, name in self._installed:
+            obj.__dict__.pop(name, None)
+        self._installed.clear()
+        trainer.accumulate_grad_batches = 1
+        self._in_batch = False
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        steps, samples, pos = (self.steps, self.samples, self._pos)
+        if self._in_batch and self._trainer_ref is not None:
+            # saved from on_train_batch_end (before ours ran): Lightning treats this batch as done on resume
+            steps, samples, pos = self._advanced(self._trainer_ref)
+        return {
+            "version": _STATE_VERSION,
+            "schedule": repr(self.schedule),
+            "steps": steps,
+            "samples": samples,
+            "window_pos": pos,
+            "window_factor": self._k,
+            "boundary": self._boundary,
+            "world_size": self._world_size,
+            "micro_batch_size": self._micro,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = int(state_dict["steps"])
+        self.samples = int(state_dict["samples"])
+        self._pos = int(state_dict["window_pos"])
+        self._k = int(state_dict["window_factor"])
+        self._boundary = bool(state_dict["boundary"])
+        self._loaded_world_size = state_dict.get("world_size")
+        if self._pos == 0:
+            self._announced = None
+
+    # ------------------------------------------------------------------ internals
+    _trainer_ref: pl.Trainer | None = None
+
+    def _check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        if trainer.accumulate_grad_batches != 1:
+            raise ScheduleError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) and the lplugins accumulation "
+                f"schedule {self.schedule!r} both set gradient accumulation; remove accumulate_grad_batches from "
+                "the Trainer (or pass the schedule as accumulate_grad_batches to lplugins.compose)."
+            )
+        others = [
+            type(cb).__name__
+            for cb in trainer.callbacks  # type: ignore[attr-defined]
+            if cb is not self and isinstance(cb, (GradientAccumulationScheduler, AccumulationScheduler))
+        ]
+        if others:
+            raise ScheduleError(
+                f"Another gradient-accumulation callback ({', '.join(others)}) is attached next to the lplugins "
+                "AccumulationScheduler; keep one."
+            )
+        if trainer.strategy.handles_gradient_accumulation:
+            raise ScheduleError(
+                f"The strategy {type(trainer.strategy).__name__} accumulates gradients itself (DeepSpeed's "
+                "gradient_accumulation_steps is fixed when its engine is built), so a changing accumulation schedule "
+                "cannot be applied; use a constant Trainer(accumulate_grad_batches=k) with it, or a DDP strategy."
+            )
+        self._trainer_ref = trainer
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        """Let this callback decide the window boundaries in Lightning's automatic-optimization loop.
+
+        Lightning decides "step now" with ``batch_progress.current.ready % accumulate_grad_batches``
+        and "zero the gradients" with ``batch_idx % accumulate_grad_batches``; both are only right
+        for a factor that is constant over the epoch. Two instance attributes replace them with the
+        window this callback counts (removed again in ``teardown``).
+        """
+        epoch_loop = trainer.fit_loop.epoch_loop
+        auto = epoch_loop.automatic_optimization
+        for obj, name in ((epoch_loop, "_accumulated_batches_reached"), (auto, "_make_zero_grad_fn")):
+            if not callable(getattr(type(obj), name, None)):
+                raise ScheduleError(
+                    f"lplugins' AccumulationScheduler needs Lightning's {type(obj).__name__}.{name} (Lightning 2.6); "
+                    f"this Lightning ({_lightning_version()}) has none."
+                )
+
+        def accumulated_batches_reached() -> bool:
+            return self._boundary
+
+        def make_zero_grad_fn(batch_idx: int, optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
+            if auto._skip_backward or self._pos != 0:
+                return None
+
+            def zero_grad_fn() -> None:
+                auto._on_before_zero_grad(optimizer)
+                auto._optimizer_zero_grad(batch_idx, optimizer)
+
+            return zero_grad_fn
+
+        epoch_loop.__dict__["_accumulated_batches_reached"] = accumulated_batches_reached
+        auto.__dict__["_make_zero_grad_fn"] = make_zero_grad_fn
+        self._installed = [(epoch_loop, "_accumulated_batches_reached"), (auto, "_make_zero_grad_fn")]
+
+    def _closes_window(self, trainer: pl.Trainer) -> bool:
+        # Lightning's rule: a window ends by count, or with the epoch's last batch (unless the strategy accumulates)
+        if self._boundary:
+            return True
+        return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached()) and not (
+            trainer.strategy.handles_gradient_accumulation
+        )
+
+    def _advanced(self, trainer: pl.Trainer) -> tuple[int, int, int]:
+        per_micro_step = (self._micro or 0) * (self._world_size or 1)
+        if self._closes_window(trainer):
+            return self.steps + 1, self.samples + per_micro_step, 0
+        return self.steps, self.samples + per_micro_step, self._pos + 1
+
+    def _context(self, trainer: pl.Trainer) -> ScheduleContext:
+        return ScheduleContext(
+            epoch=trainer.current_epoch,
+            step=self.steps,
+            samples=self.samples,
+            micro_batch_size=self._micro,
+            world_size=self._world_size or trainer.world_size,
+        )
+
+    def _factor_now(self, trainer: pl.Trainer) -> int:
+        k = self.schedule.factor(self._context(trainer))
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ScheduleError(f"{self.schedule!r} returned factor {k!r}; a factor must be an int >= 1.")
+        return k
+
+    def _resolve_micro(self, trainer: pl.Trainer) -> int | None:
+        own = getattr(self.schedule, "micro_batch_size", None)
+        if isinstance(own, int):
+            return own
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None)
+        return batch_size if isinstance(batch_size, int) and batch_size > 0 else None
+
+    @staticmethod
+    def _infer_micro(batch: Any) -> int:
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        try:
+            return int(extract_batch_size(batch))
+        except Exception as exc:
+            raise ScheduleError(
+                "The accumulation schedule needs the micro-batch size and it could not be read from the batch; "
+                "pass micro_batch_size=... to the schedule or the AccumulationScheduler."
+            ) from exc
+
+    def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, k: int) -> None:
+        self._announced = k
+        gbs = self.global_batch_size
+        if self.progress_bar:
+            pl_module.log(
+                PBAR_FACTOR, float(k), prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1
+            )
+            if gbs is not None:
+                pl_module.log(
+                    PBAR_GLOBAL_BATCH,
+                    float(gbs),
+                    prog_bar=True,
+                    logger=False,
+                    on_step=True,
+                    on_epoch=False,
+                    batch_size=1,
+                )
+        if not self.log_changes or not trainer.is_global_zero:
+            return
+        where = f"optimizer step {self.steps}, epoch {trainer.current_epoch}"
+        log.info(
+            f"lplugins: gradient accumulation {k} micro-batch(es) per step"
+            + (f", effective global batch {gbs}" if gbs is not None else "")
+            + f" (from {where})"
+        )
+        metrics = {METRIC_FACTOR: float(k)}
+        if gbs is not None:
+            metrics[METRIC_GLOBAL_BATCH] = float(gbs)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def _lightning_version() -> str:
+    from importlib.metadata import version
+
+    return version("lightning")
