@@ -1,0 +1,285 @@
+"""A DeepSpeed strategy that also runs on CPU (gloo), with a validated config and the lplugins timeout.
+
+Lightning's ``DeepSpeedStrategy`` refuses every accelerator but CUDA, yet DeepSpeed runs ZeRO on
+its CPU accelerator with the gloo backend. This subclass:
+
+* accepts ``accelerator="cpu"``: it skips the CUDA-only check and the device-index validation,
+  selects DeepSpeed's CPU accelerator, initialises the process group with gloo, and passes the
+  local rank where Lightning passes ``root_device.index`` (``None`` on CPU) as ``device_rank``;
+* behaves as Lightning's strategy on CUDA;
+* validates the DeepSpeed config (dict or JSON path) when it is built, fills ``"auto"`` values
+  from the Trainer, and refuses a config that contradicts the Trainer (see
+  :mod:`lplugins.strategies._ds_config`);
+* takes its process-group timeout from :func:`lplugins.strategies.timeout.resolve_timeout`.
+
+Importing this module imports Lightning, not DeepSpeed; DeepSpeed is imported when the strategy is
+built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from os import PathLike
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy as _LightningDeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lplugins.strategies._ds_config import (
+    TrainerFacts,
+    check_against_trainer,
+    fill_auto,
+    load_config,
+    validate_config,
+)
+from lplugins.strategies.timeout import resolve_timeout
+
+if TYPE_CHECKING:
+    import deepspeed
+    from torch.nn import Module
+    from torch.optim import Optimizer
+
+log = logging.getLogger("lplugins")
+
+__all__ = ["DeepSpeedStrategy"]
+
+
+class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+    """Lightning's ``DeepSpeedStrategy``, usable with ``accelerator="cpu"`` (gloo) as well as CUDA.
+
+    Every argument of ``lightning.pytorch.strategies.DeepSpeedStrategy`` is accepted. Differences:
+
+    Args:
+        config: A DeepSpeed config dict, or the path of a JSON file. It is validated now; ``"auto"``
+            values (micro-batch size, accumulation, train batch size, clipping, fp16/bf16
+            ``enabled``) are filled from the Trainer at setup. Unlike Lightning,
+            ``gradient_accumulation_steps`` may be given (``"auto"``, or equal to the Trainer's).
+        timeout: Process-group timeout in seconds or as a ``timedelta``; default
+            ``LPLUGINS_PG_TIMEOUT``, then 30 minutes.
+        **kwargs: Passed to Lightning's ``DeepSpeedStrategy``.
+
+    Raises:
+        DeepSpeedConfigError: the config is invalid (unknown key, bad value).
+
+    The DeepSpeed engine is ``strategy.deepspeed_engine`` once the Trainer has set up; use
+    :meth:`set_gradient_accumulation_steps` to change accumulation during training.
+
+    Note:
+        Resuming reads the checkpoint with DeepSpeed's own loader, which unpickles with
+        ``torch.load(weights_only=False)``: resume only from checkpoints you trust.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: Mapping[str, Any] | str | PathLike[str] | None = None,
+        timeout: float | timedelta | None = None,
+        **kwargs: Any,
+    ) -> None:
+        loaded: dict[str, Any] | None = None
+        if config is not None:
+            loaded = load_config(config)
+            validate_config(loaded)
+        super().__init__(config=loaded, timeout=resolve_timeout(timeout), **kwargs)
+        if loaded is None and isinstance(self.config, dict):
+            validate_config(self.config)  # also covers a config from the PL_DEEPSPEED_CONFIG_PATH variable
+        self.filled_config_notes: list[str] = []
+
+    # ------------------------------------------------------------------ CPU support
+    @property
+    def _on_cpu(self) -> bool:
+        return isinstance(self.accelerator, CPUAccelerator)
+
+    @override
+    def setup_environment(self) -> None:
+        if not self._on_cpu:
+            super().setup_environment()  # Lightning's CUDA check applies
+            return
+        _use_deepspeed_cpu_accelerator()
+        DDPStrategy.setup_environment(self)  # skip Lightning's CUDA-only check
+
+    @override
+    def setup_distributed(self) -> None:
+        if not self._on_cpu:
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()  # gloo: DDPStrategy picks it for a CPU root device
+
+    def _device_rank(self) -> int:
+        index = self.root_device.index
+        return self.local_rank if index is None else int(index)
+
+    @override
+    def _setup_model_and_optimizer(
+        self,
+        model: Module,
+        optimizer: Optimizer | None,
+        lr_scheduler: Any = None,
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
+        import deepspeed
+
+        model_parameters = filter(lambda p: p.requires_grad, model.parameters())
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=self.config,
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        assert isinstance(self.config, dict)
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = self.config[key]
+        if self.zero_stage_3:
+            inference_config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
+            inference_config["zero_optimization"] = self.config["zero_optimization"]
+        remove_module_hooks(model)
+        engine, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+        self.model = engine
+
+    # ------------------------------------------------------------------ config
+    @override
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        assert isinstance(self.config, dict)
+        module = self.lightning_module
+        if module is None:
+            return
+        trainer = module.trainer
+        facts = TrainerFacts(
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            precision=str(self.precision_plugin.precision),
+            micro_batch_size=self._auto_select_batch_size(),
+            world_size=self.world_size,
+        )
+        self.config, self.filled_config_notes = fill_auto(self.config, facts)
+        for note in self.filled_config_notes:
+            rank_zero_info(f"lplugins: DeepSpeed config {note}")
+
+    def check_trainer_kwargs(self, trainer_kwargs: Mapping[str, Any]) -> None:
+        """Check the config against Trainer keyword arguments, before the Trainer is built.
+
+        Called by the named lplugins strategies when :func:`lplugins.compose` builds them.
+
+        Raises:
+            DeepSpeedConfigError: the config contradicts the Trainer arguments.
+        """
+        assert isinstance(self.config, dict)
+        ga = trainer_kwargs.get("accumulate_grad_batches", 1)
+        precision = trainer_kwargs.get("precision")
+        check_against_trainer(
+            self.config,
+            TrainerFacts(
+                accumulate_grad_batches=ga if isinstance(ga, int) and not isinstance(ga, bool) else None,
+                gradient_clip_val=trainer_kwargs.get("gradient_clip_val"),
+                gradient_clip_algorithm=trainer_kwargs.get("gradient_clip_algorithm"),
+                precision=str(precision) if isinstance(precision, (str, int)) else None,
+            ),
+        )
+
+    # ------------------------------------------------------------------ run-time accumulation
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Change DeepSpeed's gradient-accumulation steps during training.
+
+        Call it at an accumulation boundary (e.g. in ``on_train_batch_start`` when
+        ``trainer.fit_loop`` is at a step boundary). The engine's ``train_batch_size`` is updated
+        to ``micro-batch x steps x world size``, and the Trainer's ``accumulate_grad_batches`` is
+        kept equal.
+
+        Args:
+            steps: The new number of micro-batches per optimizer step (>= 1).
+
+        Raises:
+            ValueError: ``steps`` is not a positive int.
+            RuntimeError: the engine does not exist yet (before ``trainer.fit`` has set up).
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient accumulation steps must be a positive int, got {steps!r}.")
+        engine: Any = self.model
+        if engine is None or not hasattr(engine, "set_train_batch_size"):
+            raise RuntimeError("The DeepSpeed engine is not set up yet; call this during trainer.fit().")
+        micro = engine.train_micro_batch_size_per_gpu()
+        engine.set_train_batch_size(micro * steps * self.world_size)
+        if isinstance(self.config, dict):
+            self.config["gradient_accumulation_steps"] = steps
+            self.config["train_batch_size"] = micro * steps * self.world_size
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            module.trainer.accumulate_grad_batches = steps
+
+    def __repr__(self) -> str:
+        stage = (self.config or {}).get("zero_optimization", {}).get("stage") if isinstance(self.config, dict) else None
+        return f"lplugins.strategies.DeepSpeedStrategy(stage={stage}, timeout={self._timeout})"
+
+
+def _use_deepspeed_cpu_accelerator() -> None:
+    """Make DeepSpeed use its CPU accelerator (it would pick CUDA on a machine that has it)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    current = get_accelerator()
+    if current.device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+
+
+def config_for_stage(
+    config: Mapping[str, Any] | str | PathLike[str], name: str, stage: int, options: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Reconcile a user config with a named strategy's ZeRO stage.
+
+    A config without ``zero_optimization`` gets the named strategy's stage (and its offload
+    settings); a config that names a different stage is refused rather than overridden.
+
+    Raises:
+        DeepSpeedConfigError: the config's stage differs from the strategy name's.
+    """
+    from lplugins.strategies._ds_config import DeepSpeedConfigError
+
+    loaded = load_config(config)
+    validate_config(loaded)
+    zero = loaded.get("zero_optimization")
+    if zero is None:
+        zero = {"stage": stage}
+        if options.get("offload_optimizer"):
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if options.get("offload_parameters"):
+            zero["offload_param"] = {"device": "cpu"}
+        loaded["zero_optimization"] = zero
+        loaded.setdefault("zero_allow_untested_optimizer", True)
+    elif zero.get("stage", 0) != stage:
+        raise DeepSpeedConfigError(
+            f"Strategy {name!r} is ZeRO stage {stage}, but its config sets 'zero_optimization.stage' to "
+            f"{zero.get('stage', 0)}. Use the strategy named for stage {zero.get('stage', 0)} "
+            f"(e.g. 'deepspeed_stage_{zero.get('stage', 0)}_cpu'), or change the config."
+        )
+    return loaded
