@@ -1,1 +1,26 @@
-"""Built-in plugin `checkpoint` (being written)."""
+"""Built-in plugin ``checkpoint``: registers ``durable_checkpoint`` (:class:`lplugins.callbacks.DurableCheckpoint`).
+
+Lightning is imported only when the callback is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lplugins.hookspecs import Register, hookimpl
+
+
+def durable_checkpoint(**kwargs: Any) -> Any:
+    """Build a :class:`lplugins.callbacks.DurableCheckpoint` (imported on first use)."""
+    from lplugins.callbacks.checkpoint import DurableCheckpoint
+
+    return DurableCheckpoint(**kwargs)
+
+
+@hookimpl
+def lplugins_register_callbacks(register: Register) -> None:
+    register(
+        "durable_checkpoint",
+        durable_checkpoint,
+        description="atomic, durable, rank-safe checkpoints; resume with ckpt_path='latest'",
+    )

@@ -1,0 +1,377 @@
+"""On-disk layout and the atomic, durable commit protocol of :class:`~lplugins.callbacks.DurableCheckpoint`.
+
+A checkpoint directory holds, for every committed checkpoint ``NAME``:
+
+* ``NAME`` -- the data: a file (``torch.save`` zip) or a directory (sharded strategies such as DeepSpeed);
+* ``NAME.commit`` -- the commit marker, a small JSON record written *last*.
+
+A checkpoint exists for resume only when its marker exists and the data matches it. Everything is
+written under a temporary name (``.tmp.*``) in the target directory, flushed and ``fsync``-ed, then
+renamed; the directory is ``fsync``-ed after every rename, so a crash at any instant leaves either
+the previous state or the new one. Uncommitted leftovers (``.tmp.*`` entries, data without a
+marker) are invisible to :func:`find_committed` and removed by :func:`clean_leftovers`.
+
+Remote ``fsspec`` paths get the same order of operations (data first, marker last, marker removed
+first on delete) but no ``fsync``: durability is whatever the store gives a finished upload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+COMMIT_SUFFIX = ".commit"
+TMP_PREFIX = ".tmp."
+FORMAT_VERSION = 1
+NAME_RE = re.compile(r"^step=(\d+)-epoch=(\d+)\.ckpt$")
+
+
+def checkpoint_name(global_step: int, epoch: int) -> str:
+    """The name of the checkpoint taken after ``global_step`` optimizer steps in ``epoch``."""
+    return f"step={global_step:09d}-epoch={epoch:04d}.ckpt"
+
+
+def is_remote(path: str) -> bool:
+    """Whether ``path`` is an fsspec URL (``s3://...``) rather than a local path."""
+    return "://" in path and not path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+@dataclass
+class Record:
+    """What a commit marker says about one committed checkpoint.
+
+    Attributes:
+        name: The checkpoint's name in its directory.
+        global_step: ``trainer.global_step`` when it was taken.
+        epoch: ``trainer.current_epoch`` when it was taken.
+        time: Wall-clock time of the commit (seconds since the epoch).
+        kind: ``"file"`` or ``"dir"``.
+        size: Size in bytes of a file checkpoint.
+        files: For a directory checkpoint, each file's relative path and size.
+        monitor: The monitored metric's name, if any.
+        metric: Its value when the checkpoint was taken, if it was logged.
+        reason: What triggered the save (``"step"``, ``"epoch"``, ``"time"``, ``"request"``, ...).
+    """
+
+    name: str
+    global_step: int
+    epoch: int
+    time: float
+    kind: str = "file"
+    size: int = 0
+    files: dict[str, int] = field(default_factory=dict)
+    monitor: str | None = None
+    metric: float | None = None
+    reason: str = ""
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Record:
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+            raise ValueError("not a commit marker of a known format")
+        allowed = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in allowed})
+
+
+class Storage:
+    """File operations on one checkpoint directory, local (with ``fsync``) or fsspec remote (without).
+
+    Args:
+        dirpath: The checkpoint directory (a local path or an fsspec URL).
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = str(dirpath)
+        self.remote = is_remote(self.dirpath)
+        self._fs: Any = None
+        if self.remote:
+            import fsspec
+
+            self._fs = fsspec.core.url_to_fs(self.dirpath)[0]
+
+    # --- paths -------------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        """The full path of entry ``name``."""
+        if self.remote:
+            return self.dirpath.rstrip("/") + "/" + name
+        return os.path.join(_local(self.dirpath), name)
+
+    def tmp_name(self, name: str, unique: bool = True) -> str:
+        """A temporary name for ``name`` in the same directory (same filesystem, so rename is atomic)."""
+        return f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:12]}" if unique else f"{TMP_PREFIX}{name}"
+
+    # --- primitives ----------------------------------------------------------------------------
+    def makedirs(self) -> None:
+        """Create the directory (and parents)."""
+        if self.remote:
+            self._fs.makedirs(self.dirpath, exist_ok=True)
+        else:
+            os.makedirs(_local(self.dirpath), exist_ok=True)
+
+    def listdir(self) -> list[str]:
+        """Entry names in the directory (empty when it does not exist)."""
+        if self.remote:
+            try:
+                return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self.dirpath, detail=False)]
+            except FileNotFoundError:
+                return []
+        try:
+            return os.listdir(_local(self.dirpath))
+        except FileNotFoundError:
+            return []
+
+    def exists(self, name: str) -> bool:
+        """Whether entry ``name`` exists."""
+        return bool(self._fs.exists(self.path(name))) if self.remote else os.path.lexists(self.path(name))
+
+    def fsync_dir(self) -> None:
+        """Make renames and unlinks in the directory durable (no-op on remote stores)."""
+        if self.remote:
+            return
+        fd = os.open(_local(self.dirpath), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def fsync_tree(self, name: str) -> None:
+        """``fsync`` a file, or every file and directory under a directory (no-op on remote stores)."""
+        if self.remote:
+            return
+        top = self.path(name)
+        if os.path.isdir(top):
+            for root, _dirs, files in os.walk(top):
+                for f in files:
+                    _fsync_path(os.path.join(root, f))
+                _fsync_path(root)
+        else:
+            _fsync_path(top)
+
+    def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Open ``name`` for writing (binary)."""
+        if self.remote:
+            return self._fs.open(self.path(name), "wb")
+        return open(self.path(name), "xb")  # "x": never overwrite anything in place
+
+    def write_durable(self, name: str, write: Callable[[Any], None]) -> None:
+        """Write ``name`` atomically: write to a temporary name, flush, ``fsync``, rename, ``fsync`` the directory.
+
+        Args:
+            name: The final entry name.
+            write: Called with the temporary file's path (local) or an open binary file (remote); it
+                writes the whole contents (``torch.save`` accepts either).
+
+        Raises:
+            FileExistsError: ``name`` exists already (a finished file is never overwritten).
+            OSError: the write failed; the temporary file is removed and nothing else changed.
+        """
+        if self.exists(name):
+            raise FileExistsError(f"{self.path(name)} exists already; a committed file is never overwritten")
+        tmp = self.tmp_name(name)
+        try:
+            if self.remote:
+                with self.open_write(tmp) as f:
+                    write(f)
+            else:
+                write(self.path(tmp))
+                _fsync_path(self.path(tmp))
+            self.rename(tmp, name)
+        except BaseException:
+            self.remove(tmp)
+            raise
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename entry ``src`` to ``dst`` (atomic locally; copy+delete on most object stores) and persist it."""
+        if self.remote:
+            self._fs.mv(self.path(src), self.path(dst), recursive=True)
+            return
+        if os.path.lexists(self.path(dst)):
+            raise FileExistsError(f"{self.path(dst)} exists already; a committed checkpoint is never overwritten")
+        os.rename(self.path(src), self.path(dst))
+        self.fsync_dir()
+
+    def remove(self, name: str) -> None:
+        """Remove entry ``name`` (file or directory); missing entries are ignored."""
+        path = self.path(name)
+        if self.remote:
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm(path, recursive=True)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The contents of file ``name``."""
+        if self.remote:
+            return bytes(self._fs.cat_file(self.path(name)))
+        with open(self.path(name), "rb") as f:
+            return f.read()
+
+    def size(self, name: str) -> int:
+        """Size in bytes of file ``name``."""
+        return int(self._fs.size(self.path(name))) if self.remote else os.path.getsize(self.path(name))
+
+    def isdir(self, name: str) -> bool:
+        """Whether entry ``name`` is a directory."""
+        return bool(self._fs.isdir(self.path(name))) if self.remote else os.path.isdir(self.path(name))
+
+    def tree_sizes(self, name: str) -> dict[str, int]:
+        """Relative path -> size of every file under directory ``name``."""
+        top = self.path(name)
+        out: dict[str, int] = {}
+        if self.remote:
+            for p, info in self._fs.find(top, detail=True).items():
+                out[p[len(top) :].lstrip("/")] = int(info.get("size", 0))
+            return out
+        for root, _dirs, files in os.walk(top):
+            for f in files:
+                full = os.path.join(root, f)
+                out[os.path.relpath(full, top)] = os.path.getsize(full)
+        return out
+
+    # --- the commit protocol -------------------------------------------------------------------
+    def commit(self, record: Record) -> None:
+        """Write the commit marker of ``record.name`` (durably, last). The data must be in place and synced."""
+        self.write_durable(record.name + COMMIT_SUFFIX, lambda target: write_bytes(target, record.to_json()))
+
+    def delete(self, name: str) -> None:
+        """Delete a committed checkpoint: the marker first (it stops being visible), then the data."""
+        self.remove(name + COMMIT_SUFFIX)
+        self.fsync_dir()
+        self.remove(name)
+        self.fsync_dir()
+
+    def check(self, record: Record, deep: bool = False) -> str | None:
+        """Why the data of ``record`` does not match its marker, or ``None`` when it does.
+
+        Args:
+            record: The commit record.
+            deep: Also read every byte of a file checkpoint and check its zip CRCs.
+        """
+        name = record.name
+        if not self.exists(name):
+            return "data missing"
+        if record.kind == "dir":
+            if not self.isdir(name):
+                return "not a directory"
+            sizes = self.tree_sizes(name)
+            for rel, size in record.files.items():
+                if sizes.get(rel) != size:
+                    return f"{rel}: size {sizes.get(rel)} != {size}"
+            return None
+        try:
+            size = self.size(name)
+        except OSError as err:
+            return f"unreadable: {err}"
+        if size != record.size:
+            return f"size {size} != committed size {record.size} (truncated or overwritten)"
+        if self.remote:
+            return None
+        try:
+            with zipfile.ZipFile(self.path(name)) as zf:
+                if deep and (bad := zf.testzip()) is not None:
+                    return f"CRC mismatch in {bad}"
+        except (zipfile.BadZipFile, OSError) as err:
+            return f"not a readable checkpoint archive: {err}"
+        return None
+
+    def records(self) -> Iterator[tuple[Record | None, str]]:
+        """Every commit marker in the directory: ``(record, marker name)``; ``record`` is None when unreadable."""
+        for entry in self.listdir():
+            if not entry.endswith(COMMIT_SUFFIX) or entry.startswith(TMP_PREFIX):
+                continue
+            try:
+                record: Record | None = Record.from_json(self.read_bytes(entry))
+            except (OSError, ValueError, TypeError):
+                record = None
+            if record is not None and record.name + COMMIT_SUFFIX != entry:
+                record = None
+            yield record, entry
+
+    def find_committed(self, deep: bool = False) -> list[Record]:
+        """Committed checkpoints whose data matches their marker, oldest first."""
+        out = [r for r, _ in self.records() if r is not None and self.check(r, deep=deep) is None]
+        out.sort(key=lambda r: (r.global_step, r.time))
+        return out
+
+    def clean_leftovers(self) -> list[str]:
+        """Remove what a crash can leave behind; return the removed names.
+
+        Removes temporary entries, data that was never committed, unreadable markers, and markers whose
+        data is missing or does not match. Only names this module creates are touched.
+        """
+        entries = self.listdir()
+        removed: list[str] = []
+        committed: set[str] = set()
+        for record, marker in list(self.records()):
+            if record is None or self.check(record) is not None:
+                self.remove(marker)
+                removed.append(marker)
+            else:
+                committed.add(record.name)
+        for entry in entries:
+            if entry.startswith(TMP_PREFIX) or (NAME_RE.match(entry) and entry not in committed):
+                self.remove(entry)
+                removed.append(entry)
+        if removed:
+            self.fsync_dir()
+        return removed
+
+    def probe_writable(self) -> None:
+        """Create, sync and delete a file in the directory.
+
+        Raises:
+            OSError: the directory cannot be created or written.
+        """
+        self.makedirs()
+        name = f"{TMP_PREFIX}probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            with self.open_write(name) as f:
+                f.write(b"ok")
+                f.flush()
+                if not self.remote:
+                    os.fsync(f.fileno())
+        finally:
+            self.remove(name)
+
+
+def write_bytes(target: Any, data: bytes) -> None:
+    """Write ``data`` to a path or an open binary file."""
+    if isinstance(target, str):
+        with open(target, "xb") as f:
+            f.write(data)
+    else:
+        target.write(data)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def now() -> float:
+    """Wall-clock time for commit records."""
+    return time.time()
