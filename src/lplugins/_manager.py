@@ -319,7 +319,7 @@ class PluginManager:
         if autoload or allow_list:
             entry_points = _discover_entry_points()
             if allow_list is not None:
-                available = {ep.name for ep, _ in entry_points} | {d for _, d in entry_points if d}
+                available = {ep.name for ep, _, _ in entry_points} | {d for _, d, _ in entry_points if d}
                 for wanted in allow_list:
                     if wanted not in available:
                         hint = closest(wanted, available)
@@ -328,8 +328,7 @@ class PluginManager:
                             f"Installed entry-point plugins: {', '.join(sorted(available)) or '(none)'}."
                             + (f" Did you mean {hint!r}?" if hint else "")
                         )
-            for ep, dist_name in entry_points:
-                dist_version = ep.dist.version if ep.dist is not None else None
+            for ep, dist_name, dist_version in entry_points:
                 seen_names.add(ep.name)
                 if dist_name is not None:
                     seen_names.add(dist_name)
@@ -640,16 +639,20 @@ class _StageError(Exception):
         self.stage = stage
 
 
-def _discover_entry_points() -> list[tuple[importlib.metadata.EntryPoint, str | None]]:
-    """Entry points of the ``lplugins`` group, one per (distribution, name), in a stable order."""
-    found: dict[tuple[str, str], tuple[importlib.metadata.EntryPoint, str | None]] = {}
+def _discover_entry_points() -> list[tuple[importlib.metadata.EntryPoint, str | None, str | None]]:
+    """Entry points of the ``lplugins`` group with their distribution's name and version, one per
+    (name, distribution), in a stable order."""
+    found: dict[tuple[str, str], tuple[importlib.metadata.EntryPoint, str | None, str | None]] = {}
     for dist in importlib.metadata.distributions():
-        dist_name = dist.metadata["Name"] if dist.metadata else None
-        for ep in dist.entry_points:
-            if ep.group != ENTRY_POINT_GROUP:
-                continue
+        eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        if not eps:
+            continue  # parse METADATA only for distributions that have lplugins entry points
+        meta = dist.metadata  # parsed once: each access re-reads the file
+        dist_name = meta["Name"] if meta else None
+        dist_version = meta["Version"] if meta else None
+        for ep in eps:
             key = (ep.name, _normalize(dist_name or ""))
-            found.setdefault(key, (ep, dist_name))
+            found.setdefault(key, (ep, dist_name, dist_version))
     return [found[key] for key in sorted(found)]
 
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) with the CPU build of torch, then lplugins with its test and deepspeed extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c "import lplugins, pytest, deepspeed" 2>/dev/null; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    # torch first: a plain `torch` requirement would pull a multi-GB CUDA build
+    .venv/bin/python -m pip install --quiet "torch==2.13.0"
+    .venv/bin/python -m pip install --quiet -e ".[test,deepspeed]"
+fi

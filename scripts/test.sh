@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: lint, type-check, then the test suite (every test has a timeout).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/python -m pytest -q --timeout=300 -p no:cacheprovider "$@"
