@@ -68,7 +68,16 @@ class TinyModel(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*make_data(self.n)), batch_size=self.batch_size)
+        dataset = TensorDataset(*make_data(self.n))
+        if self.trainer.world_size == 1:
+            return DataLoader(dataset, batch_size=self.batch_size)
+        # deterministic shards for the DDP tests (run with use_distributed_sampler=False): rank r gets r, r+2, ...
+        from torch.utils.data.distributed import DistributedSampler
+
+        sampler = DistributedSampler(
+            dataset, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
 
 class Observer(Callback):
