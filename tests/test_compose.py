@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lplugins
 from lplugins import CompositionError, PluginError, PluginManager, UnknownNameError
-from lplugins._precision import default_precision
+from lplugins.precision import default_precision
 
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from lplugins._errors import CompositionError, UnknownNameError, closest
 from lplugins._manager import PluginManager, get_manager
-from lplugins._precision import LIGHTNING_PRECISIONS, default_precision, probe_capabilities, resolve_accelerator
+from lplugins.precision._auto import LIGHTNING_PRECISIONS, choose_precision, probe_capabilities, resolve_accelerator
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, Trainer
@@ -68,10 +68,13 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
         resolved_plugins.append(_resolve_plugin(manager, item, accelerator, strategy, strategy_component))
 
     precision = out.get("precision")
+    hook_view = dict(trainer_kwargs)
     if precision is not None:
-        precision_obj = _resolve_precision(manager, precision, accelerator, strategy, strategy_component, cpu_bf16)
-        if isinstance(precision_obj, str):
-            out["precision"] = precision_obj
+        precision_obj = _resolve_precision(
+            manager, precision, accelerator, out.get("strategy"), strategy_component, cpu_bf16
+        )
+        if isinstance(precision_obj, (str, int)):
+            out["precision"] = hook_view["precision"] = precision_obj
         else:
             out.pop("precision")
             resolved_plugins.append(precision_obj)
@@ -87,7 +90,7 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
         callbacks.append(_resolve_accumulation(manager, accumulation))
 
     resolved_callbacks = [_resolve_callback(manager, cb) for cb in callbacks]
-    resolved_callbacks.extend(manager.trainer_callbacks(MappingProxyType(dict(trainer_kwargs))))
+    resolved_callbacks.extend(manager.trainer_callbacks(MappingProxyType(hook_view)))
     _check_duplicates(resolved_callbacks)
 
     if resolved_callbacks:
@@ -237,11 +240,7 @@ def _resolve_precision(
         )
     if precision == "auto":
         caps = probe_capabilities(accelerator, cpu_bf16=cpu_bf16)
-        chosen = manager.hook.lplugins_choose_precision(accelerator=accelerator, capabilities=caps)
-        if chosen is None:
-            chosen, reason = default_precision(accelerator, caps)
-        else:
-            reason = "chosen by a plugin's lplugins_choose_precision hook"
+        chosen, reason = choose_precision(accelerator, caps, manager)
         log.info("lplugins: precision='auto' chose %r (%s)", chosen, reason)
         if chosen == "auto":
             raise CompositionError("lplugins_choose_precision returned 'auto'; a plugin must return a concrete name.")
@@ -250,10 +249,64 @@ def _resolve_precision(
     if precision in registry:
         component = registry.get(precision)
         _check_supported(component, accelerator, strategy, strategy_component)
-        return component.create()
+        return _create_precision(component, accelerator, strategy, strategy_component)
     if precision in LIGHTNING_PRECISIONS:
+        _check_lightning_precision(precision, strategy, strategy_component)
         return precision
     raise UnknownNameError("precision", precision, {"auto", *LIGHTNING_PRECISIONS, *registry})
+
+
+def _create_precision(component: Any, accelerator: str, strategy: Any, strategy_component: Any) -> Any:
+    """Create a registered precision; a factory that declares ``accelerator``/``strategy`` gets them."""
+    try:
+        params = inspect.signature(component.factory).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    extra: dict[str, Any] = {}
+    if "accelerator" in params:
+        extra["accelerator"] = accelerator
+    if "strategy" in params:
+        extra["strategy"] = _strategy_label(strategy, strategy_component)
+    return component.create(**extra)
+
+
+def _strategy_class(strategy: Any) -> type | None:
+    if strategy is None:
+        return None
+    if not isinstance(strategy, str):
+        return type(strategy)
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = dict.get(StrategyRegistry, strategy)  # the registry's own .get() would build the strategy
+    factory = entry["strategy"] if entry else None
+    return factory if isinstance(factory, type) else None
+
+
+def _check_lightning_precision(precision: str, strategy: Any, strategy_component: Any) -> None:
+    """Refuse, before training, a Lightning precision string that the strategy's own precision plugin rejects."""
+    from typing import get_args
+
+    cls = _strategy_class(strategy)
+    if cls is None:
+        return
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if issubclass(cls, DeepSpeedStrategy):
+        from lightning.fabric.plugins.precision.deepspeed import _PRECISION_INPUT as DS_INPUT
+
+        allowed, family = get_args(DS_INPUT), "DeepSpeed"
+    elif issubclass(cls, FSDPStrategy):
+        from lightning.fabric.plugins.precision.fsdp import _PRECISION_INPUT as FSDP_INPUT
+
+        allowed, family = get_args(FSDP_INPUT), "FSDP"
+    else:
+        return
+    if precision not in allowed:
+        label = _strategy_label(strategy, strategy_component)
+        raise CompositionError(
+            f"Precision {precision!r} cannot be used with strategy {label!r} ({family} uses its own precision "
+            f"plugin); it supports: {', '.join(allowed)}."
+        )
 
 
 def _is_cluster_environment(obj: Any) -> bool:

@@ -30,6 +30,7 @@ ENTRY_POINT_GROUP = "lplugins"
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("core", "lplugins._builtins.core"),
     ("strategies", "lplugins._builtins.strategies"),
+    ("precision", "lplugins._builtins.precision"),
     ("accumulation", "lplugins._builtins.accumulation"),
     ("checkpoint", "lplugins._builtins.checkpoint"),
     ("logging", "lplugins._builtins.logging"),

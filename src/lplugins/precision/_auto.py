@@ -76,3 +76,22 @@ def probe_capabilities(accelerator: str, *, cpu_bf16: bool = False) -> dict[str,
             caps["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
             caps["device_name"] = torch.cuda.get_device_name()
     return caps
+
+
+def choose_precision(accelerator: str, capabilities: Mapping[str, Any], manager: Any = None) -> tuple[str, str]:
+    """What ``precision="auto"`` becomes: plugins are asked first (``lplugins_choose_precision``,
+    latest-loaded first), then :func:`default_precision` decides. Returns ``(precision, reason)``.
+
+    Args:
+        accelerator: ``"cpu"``, ``"cuda"``, ...
+        capabilities: hardware facts (see :func:`probe_capabilities`).
+        manager: the plugin manager (default: the process-wide one).
+    """
+    if manager is None:
+        from lplugins._manager import get_manager
+
+        manager = get_manager()
+    chosen = manager.hook.lplugins_choose_precision(accelerator=accelerator, capabilities=dict(capabilities))
+    if chosen is not None:
+        return str(chosen), "chosen by a plugin's lplugins_choose_precision hook"
+    return default_precision(accelerator, capabilities)
