@@ -261,7 +261,9 @@ def test_guard_refuses_lightning_calls_in_a_single_process(env: _Env, tmp_path) 
     module = BoringModel()
     log_dir = trainer.log_dir  # fine outside a block
     with rank_zero_block():
-        with pytest.raises(CollectiveInRankZeroBlockError, match=r"Trainer\.save_checkpoint\(\).*checkpoint request"):
+        with pytest.raises(
+            CollectiveInRankZeroBlockError, match=r"Trainer\.save_checkpoint\(\).*request_checkpoint\(trainer\)"
+        ):
             trainer.save_checkpoint(tmp_path / "x.ckpt")
         with pytest.raises(CollectiveInRankZeroBlockError, match=r"Trainer\.log_dir.*before the rank-zero block"):
             _ = trainer.log_dir

@@ -85,12 +85,13 @@ def test_torch_collectives_in_guard_raise_and_ranks_stay_in_step(tmp_path: Path)
 
 
 LIGHTNING_JOB = """
-import json, sys, time
+import json, os, sys, time
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 import torchmetrics
 
+from lplugins.callbacks import DurableCheckpoint, request_checkpoint
 from lplugins.rankzero import CollectiveInRankZeroBlockError, rank_zero_block, rank_zero_only
 
 MODE = sys.argv[1]
@@ -130,18 +131,22 @@ class Model(BoringModel):
                             call()
                 except CollectiveInRankZeroBlockError as exc:
                     self.refused[name] = {"seconds": time.perf_counter() - start, "message": str(exc)}
+            with rank_zero_block():
+                request_checkpoint(self.trainer)  # the safe alternative the messages suggest: no collective
         return out
 
 if __name__ == "__main__":
     model = Model()
+    durable = DurableCheckpoint("durable", save_on_train_end=False, keep_last=None, preemption_signals=())
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, limit_train_batches=4,
-                      limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      limit_val_batches=0, logger=False, callbacks=[durable], enable_progress_bar=False,
                       enable_model_summary=False)
     trainer.fit(model)
     # every rank exits training normally; a checkpoint saved by every rank together works
     trainer.save_checkpoint("together.ckpt")
     print(f"DONE rank={trainer.global_rank}", flush=True)
     if trainer.is_global_zero:
+        print("REQUESTED " + json.dumps([os.path.basename(p) for p in durable.committed]), flush=True)
         print("RESULT " + json.dumps(model.refused), flush=True)
 """
 
@@ -167,6 +172,9 @@ def test_lightning_calls_in_guard_raise_under_ddp(tmp_path: Path) -> None:
         assert call in refused[name]["message"], (name, refused[name]["message"])
     assert "torchmetrics" in refused["metric_compute"]["message"]  # says where it was called from
     assert (tmp_path / "together.ckpt").exists() and not (tmp_path / "never.ckpt").exists()
+    # the checkpoint requested from rank 0 inside the block was saved by both ranks together, once
+    requested = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("REQUESTED "))[10:])
+    assert len(requested) == 1, requested
     for name, item in refused.items():
         print(f"{name}: refused after {item['seconds'] * 1e3:.3f} ms")
 

@@ -59,8 +59,8 @@ STRATEGY_COLLECTIVES: tuple[str, ...] = ("barrier", "broadcast", "reduce", "all_
 
 _CHECKPOINT_ALTERNATIVE = (
     "call trainer.save_checkpoint() on every rank, outside the rank-zero block (Lightning writes the file on "
-    "rank 0 only), or ask for a checkpoint from one rank with lplugins' rank-zero-safe checkpoint request "
-    "(lplugins.callbacks), which every rank then saves together at the next step"
+    "rank 0 only), or ask for a checkpoint from this rank with lplugins.callbacks.request_checkpoint(trainer) "
+    "(with a DurableCheckpoint callback): it only sets a flag, and every rank saves together at the next step"
 )
 _LOG_DIR_ALTERNATIVE = (
     "read trainer.log_dir on every rank before the rank-zero block (e.g. in setup()) and use the saved value, "
