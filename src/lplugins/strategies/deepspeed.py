@@ -182,6 +182,15 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             world_size=self.world_size,
         )
         self.config, self.filled_config_notes = fill_auto(self.config, facts)
+        zero = self.config.get("zero_optimization") or {}
+        offloads = any(
+            (zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")
+        )
+        if self._on_cpu and offloads and "zero_force_ds_cpu_optimizer" not in self.config:
+            # DeepSpeed wants its DeepSpeedCPUAdam with offload, for speed on GPUs; with the CPU accelerator
+            # there is no device-to-host traffic to save, so the model's own optimizer is allowed
+            self.config["zero_force_ds_cpu_optimizer"] = False
+            self.filled_config_notes.append("zero_force_ds_cpu_optimizer = False (offload with accelerator='cpu')")
         for note in self.filled_config_notes:
             rank_zero_info(f"lplugins: DeepSpeed config {note}")
 

@@ -1,0 +1,181 @@
+"""The built-in ``strategies`` plugin: names, lazy imports, the process-group timeout."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch  # noqa: F401  (imported first: it sets environment variables on import)
+import pytest
+
+import lplugins
+from lplugins import UnknownNameError
+from lplugins._builtins.strategies import DEEPSPEED_STRATEGIES
+from lplugins.strategies.timeout import DEFAULT_PG_TIMEOUT, ENV_VAR, resolve_timeout
+from tests._dist import run_script
+
+BUILTIN_STRATEGIES = {*DEEPSPEED_STRATEGIES, "ddp_timeout", "advised"}
+
+
+def test_builtin_names_are_registered_and_mirrored(lplugins_manager: lplugins.PluginManager) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    registry = lplugins_manager.registry("strategy")
+    assert BUILTIN_STRATEGIES <= set(registry)
+    for name in BUILTIN_STRATEGIES:
+        component = registry.get(name)
+        assert component.plugin == "strategies"
+        assert component.description
+        assert name in StrategyRegistry
+    assert set(lplugins_manager.plugin("strategies").registered["strategy"]) == BUILTIN_STRATEGIES
+    assert registry.get("deepspeed_stage_3_offload_cpu").defaults == {
+        "stage": 3,
+        "offload_optimizer": True,
+        "offload_parameters": True,
+    }
+
+
+def test_builtin_names_do_not_collide_with_lightning(lplugins_manager: lplugins.PluginManager) -> None:
+    # lplugins refuses a name Lightning already owns; the built-ins must not need one
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lplugins_manager.close()
+    lightning_names = set(StrategyRegistry.available_strategies())
+    assert not BUILTIN_STRATEGIES & lightning_names
+    for name, (stage, offload, _, _) in DEEPSPEED_STRATEGIES.items():
+        # every name is Lightning's name for the same setup, plus "_cpu"
+        assert name.endswith("_cpu")
+        assert name.removesuffix("_cpu") in lightning_names
+        assert f"stage_{stage}" in name
+        assert ("offload" in name) == offload
+
+
+def test_unknown_strategy_name_is_refused_with_a_suggestion(lplugins_manager: lplugins.PluginManager) -> None:
+    with pytest.raises(UnknownNameError, match=r"'deepspeed_stage_2_cpux'.*Did you mean 'deepspeed_stage_2_cpu'"):
+        lplugins.compose(strategy="deepspeed_stage_2_cpux")
+
+
+def test_plain_trainer_gets_the_strategy_by_name(lplugins_manager: lplugins.PluginManager) -> None:
+    pytest.importorskip("deepspeed")
+    from lightning.pytorch import Trainer
+
+    from lplugins.strategies.deepspeed import DeepSpeedStrategy
+
+    trainer = Trainer(strategy="deepspeed_stage_2_cpu", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is DeepSpeedStrategy
+    assert trainer.strategy.config["zero_optimization"]["stage"] == 2
+
+
+LAZY_SCRIPT = r"""
+import json, sys
+import lplugins
+manager = lplugins.load(autoload=False)
+out = {"after_load": "deepspeed" in sys.modules}
+lplugins.compose(strategy="ddp_timeout", accelerator="cpu")
+out["after_ddp"] = "deepspeed" in sys.modules
+strategy = lplugins.compose(strategy="deepspeed_stage_2_cpu", accelerator="cpu")["strategy"]
+out["after_deepspeed"] = "deepspeed" in sys.modules
+out["class"] = type(strategy).__module__
+print(json.dumps(out))
+"""
+
+
+def test_deepspeed_is_imported_only_when_selected(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    result = run_script(LAZY_SCRIPT, tmp_path, timeout=120).check()
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {
+        "after_load": False,
+        "after_ddp": False,
+        "after_deepspeed": True,
+        "class": "lplugins.strategies.deepspeed",
+    }
+
+
+# ---------------------------------------------------------------------- timeout
+def test_timeout_default_argument_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert resolve_timeout() == DEFAULT_PG_TIMEOUT == timedelta(minutes=30)
+    assert resolve_timeout(90) == timedelta(seconds=90)
+    assert resolve_timeout(timedelta(hours=2)) == timedelta(hours=2)
+    monkeypatch.setenv(ENV_VAR, "3600")
+    assert resolve_timeout() == timedelta(hours=1)
+    assert resolve_timeout(60) == timedelta(minutes=1)  # the argument wins over the variable
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "inf", "nan"])
+def test_timeout_env_invalid(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(ENV_VAR, value)
+    with pytest.raises(lplugins.LPluginsError, match=ENV_VAR):
+        resolve_timeout()
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "60"])
+def test_timeout_argument_invalid(value: object) -> None:
+    with pytest.raises(lplugins.LPluginsError, match="timeout="):
+        resolve_timeout(value)  # type: ignore[arg-type]
+
+
+def test_nccl_timeout_is_called_out() -> None:
+    # the seed guide's "export NCCL_TIMEOUT=3600" is read by neither NCCL nor PyTorch
+    with pytest.MonkeyPatch.context() as mp:  # undone before the leak check runs
+        mp.delenv(ENV_VAR, raising=False)
+        mp.setenv("NCCL_TIMEOUT", "3600")
+        with pytest.warns(UserWarning, match="NCCL_TIMEOUT is set, but neither NCCL nor PyTorch reads it"):
+            assert resolve_timeout() == DEFAULT_PG_TIMEOUT
+        mp.setenv(ENV_VAR, "3600")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert resolve_timeout() == timedelta(hours=1)
+
+
+@pytest.mark.parametrize("name", sorted(set(DEEPSPEED_STRATEGIES) | {"ddp_timeout"}))
+def test_every_builtin_distributed_strategy_honours_the_timeout(
+    lplugins_manager: lplugins.PluginManager, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    if name.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    monkeypatch.setenv(ENV_VAR, "123")
+    strategy = lplugins.compose(strategy=name, accelerator="cpu")["strategy"]
+    assert strategy._timeout == timedelta(seconds=123)
+    strategy = lplugins.compose(strategy={"name": name, "timeout": 7}, accelerator="cpu")["strategy"]
+    assert strategy._timeout == timedelta(seconds=7)
+
+
+def test_ddp_timeout_reaches_the_process_group(tmp_path: Path) -> None:
+    # a real 2-process gloo job: the process group's timeout is the one from LPLUGINS_PG_TIMEOUT
+    script = r"""
+import json, torch, lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+import lplugins
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def on_train_start(self):
+        import torch.distributed as dist
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        self.seen = {"backend": dist.get_backend(), "timeout_s": backend.options._timeout.total_seconds(),
+                     "strategy_timeout_s": self.trainer.strategy._timeout.total_seconds()}
+
+kw = lplugins.compose(strategy="ddp_timeout", accelerator="cpu", devices=2, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer = pl.Trainer(**kw)
+model = M()
+trainer.fit(model, DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
+print("SEEN", trainer.global_rank, json.dumps(model.seen))
+"""
+    result = run_script(script, tmp_path, timeout=120, env={ENV_VAR: "77"}).check()
+    seen = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines() if line.startswith("SEEN")]
+    assert len(seen) == 2
+    for item in seen:
+        assert item["backend"] == "gloo"
+        assert item["strategy_timeout_s"] == 77
+        assert item["timeout_s"] == 77
