@@ -371,7 +371,7 @@ class DurableCheckpoint(Checkpoint):
             record.size = storage.size(record.name)
             record.time = now()
             storage.commit(record)
-        except OSError as err:
+        except Exception as err:  # OSError, or torch's RuntimeError from a failed stream write
             storage.remove(record.name)  # the rename happened but the marker did not: leftover, not visible
             raise self._write_error(path, err) from err
         self._committed(record)
@@ -396,7 +396,7 @@ class DurableCheckpoint(Checkpoint):
                 storage.rename(tmp, record.name)
                 record.time = now()
                 storage.commit(record)
-            except OSError as err:
+            except Exception as err:
                 storage.remove(tmp)
                 storage.remove(record.name)
                 error = self._write_error(storage.path(record.name), err)
@@ -437,14 +437,15 @@ class DurableCheckpoint(Checkpoint):
             return None
         return float(value.item() if isinstance(value, torch.Tensor) else value)
 
-    def _write_error(self, path: str, err: OSError) -> CheckpointWriteError:
+    def _write_error(self, path: str, err: Exception) -> CheckpointWriteError:
         with self._lock:
             intact = [r.name for r in self._records]
-        return CheckpointWriteError(
-            err.errno,
-            f"Writing checkpoint {path} failed: {err.strerror or err}. The previous checkpoints are intact:"
-            f" {intact or 'none'}",
+        reason = getattr(err, "strerror", None) or (str(err).splitlines()[-1] if str(err) else "no message")
+        error = CheckpointWriteError(
+            f"Writing checkpoint {path} failed ({type(err).__name__}: {reason}). The previous checkpoints are"
+            f" intact: {intact or 'none'}"
         )
+        return error
 
     def _agree_or_raise(
         self, trainer: Trainer, error: BaseException | None, record: Record, cleanup: str | None = None

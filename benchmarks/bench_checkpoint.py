@@ -1,0 +1,188 @@
+"""Benchmark DurableCheckpoint against stock Lightning in the same run (CPU, one process).
+
+Measures, as ratios:
+
+* durable sync save time vs stock ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls) on the
+  same model and trainer (goal <= 1.1x);
+* durable sync save bandwidth vs the disk's fsync write bandwidth from ``dd ... conv=fsync`` of the
+  same number of bytes in the same directory (goal >= 0.9x);
+* async mode's training stall per save (the CPU snapshot) vs the sync save time (goal <= 0.1x);
+* per-step time on steps without a save vs the same Trainer with stock ``ModelCheckpoint`` (goal <= 1.02x).
+
+Usage::
+
+    python benchmarks/bench_checkpoint.py [--dir DIR] [--mb 200] [--reps 5]
+
+Ends with one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lplugins.callbacks import DurableCheckpoint
+
+
+class Model(LightningModule):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.body(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def trainer_with(cb: Any, max_steps: int) -> Trainer:
+    return Trainer(
+        accelerator="cpu", max_steps=max_steps, callbacks=[cb], logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+
+
+def data(width: int, n: int) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, width)), batch_size=2)
+
+
+def dd_bandwidth(directory: str, nbytes: int) -> float:
+    """Bytes per second of ``dd if=/dev/zero bs=1M conv=fsync`` writing ``nbytes`` into ``directory``."""
+    target = os.path.join(directory, "dd.bench")
+    count = max(1, nbytes // (1 << 20))
+    start = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={count}", "conv=fsync"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    os.unlink(target)
+    return count * (1 << 20) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--mb", type=float, default=120.0, help="approximate checkpoint size in MB")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300, help="steps for the per-step overhead run")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
+    # parameters + 2 Adam moments, fp32: 12 bytes per parameter
+    width = 512
+    depth = max(1, int(args.mb * 1e6 / 12 / (width * width + width)))
+    try:
+        # ---------------------------------------------------------------- save time, same trainer
+        durable = DurableCheckpoint(os.path.join(root, "durable"), keep_last=1, save_on_train_end=False)
+        trainer = trainer_with(durable, max_steps=1)
+        model = Model(width, depth)
+        trainer.fit(model, data(width, 8))
+        stock_dir = os.path.join(root, "stock")
+        os.makedirs(stock_dir)
+        stock_times, durable_times, dd_rates, sizes = [], [], [], []
+        for rep in range(args.reps):
+            path = os.path.join(stock_dir, f"{rep}.ckpt")
+            start = time.perf_counter()
+            trainer.save_checkpoint(path)
+            stock_times.append(time.perf_counter() - start)
+            os.unlink(path)
+            # a new global step, so a new checkpoint name
+            trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed += 1
+            start = time.perf_counter()
+            durable._save(trainer, "bench")
+            durable_times.append(time.perf_counter() - start)
+            sizes.append(os.path.getsize(durable.committed[-1]))
+            dd_rates.append(dd_bandwidth(root, sizes[-1]))
+        size = statistics.median(sizes)
+        stock_s, durable_s, dd_bps = (statistics.median(v) for v in (stock_times, durable_times, dd_rates))
+
+        # ---------------------------------------------------------------- async stall
+        async_cb = DurableCheckpoint(os.path.join(root, "async"), keep_last=1, async_save=True, save_on_train_end=False)
+        trainer_a = trainer_with(async_cb, max_steps=1)
+        trainer_a.fit(Model(width, depth), data(width, 8))
+        async_cb.setup(trainer_a, trainer_a.lightning_module, "fit")  # a writer again (fit closed it)
+        stalls = []
+        for _ in range(args.reps):
+            trainer_a.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed += 1
+            start = time.perf_counter()
+            async_cb._save(trainer_a, "bench")
+            stalls.append(time.perf_counter() - start)
+            assert async_cb._writer is not None
+            async_cb._writer.flush()
+            async_cb._writer.raise_error()
+        async_cb.teardown(trainer_a, trainer_a.lightning_module, "fit")
+        stall_s = statistics.median(stalls)
+
+        # ---------------------------------------------------------------- per-step overhead, no saves
+        def step_time(make_cb: Any) -> float:
+            small = Model(64, 2)
+            t = trainer_with(make_cb(), max_steps=args.steps)
+            start = time.perf_counter()
+            t.fit(small, data(64, 2 * args.steps))
+            return (time.perf_counter() - start) / args.steps
+
+        stock_steps, durable_steps = [], []
+        for _ in range(args.reps):
+            stock_steps.append(
+                step_time(lambda: ModelCheckpoint(os.path.join(root, "s"), every_n_train_steps=10**9, save_last=False))
+            )
+            durable_steps.append(
+                step_time(
+                    lambda: DurableCheckpoint(os.path.join(root, "d"), every_n_steps=10**9, save_on_train_end=False)
+                )
+            )
+        stock_step, durable_step = statistics.median(stock_steps), statistics.median(durable_steps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    durable_bps = size / durable_s
+    result = {
+        "checkpoint_mb": round(size / 1e6, 1),
+        "stock_save_s": round(stock_s, 4),
+        "durable_save_s": round(durable_s, 4),
+        "durable_vs_stock_save_ratio": round(durable_s / stock_s, 3),
+        "dd_fsync_mb_per_s": round(dd_bps / 1e6, 1),
+        "durable_mb_per_s": round(durable_bps / 1e6, 1),
+        "durable_vs_dd_bandwidth_ratio": round(durable_bps / dd_bps, 3),
+        "async_stall_s": round(stall_s, 4),
+        "async_stall_vs_sync_save_ratio": round(stall_s / durable_s, 3),
+        "stock_step_ms": round(stock_step * 1e3, 3),
+        "durable_step_ms": round(durable_step * 1e3, 3),
+        "durable_vs_stock_step_ratio": round(durable_step / stock_step, 3),
+        "reps": args.reps,
+    }
+    print(f"checkpoint {result['checkpoint_mb']} MB, median of {args.reps}:")
+    print(
+        f"  save: durable {durable_s:.3f}s vs stock {stock_s:.3f}s"
+        f" -> {result['durable_vs_stock_save_ratio']}x (goal <= 1.1)"
+    )
+    print(
+        f"  bandwidth: durable {result['durable_mb_per_s']} MB/s vs dd conv=fsync {result['dd_fsync_mb_per_s']} MB/s"
+        f" -> {result['durable_vs_dd_bandwidth_ratio']}x (goal >= 0.9)"
+    )
+    print(f"  async stall {stall_s:.4f}s -> {result['async_stall_vs_sync_save_ratio']}x of a sync save (goal <= 0.1)")
+    print(
+        f"  step without save: durable {result['durable_step_ms']} ms vs stock {result['stock_step_ms']} ms"
+        f" -> {result['durable_vs_stock_step_ratio']}x (goal <= 1.02)"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
