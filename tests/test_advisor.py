@@ -1,0 +1,241 @@
+"""The strategy advisor: the seed guide's table, the arithmetic, the named strategy and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import lightning.pytorch  # noqa: F401  (imported first: it sets environment variables on import)
+import pytest
+import torch
+
+import lplugins
+from lplugins.strategies.advisor import (
+    AdvisorError,
+    advise,
+    advised_strategy,
+    bytes_per_parameter,
+    parse_count,
+    register_cli,
+)
+
+#: the seed guide's hardware: nodes of 8 x 80 GB GPUs, AdamW, bf16 (2 TiB of host RAM per node)
+SEED_HW: dict[str, Any] = {
+    "device_memory_gib": 80,
+    "devices_per_node": 8,
+    "host_memory_gib": 2048,
+    "optimizer": "adamw",
+    "precision": "bf16-mixed",
+}
+
+# (parameters, extra inputs, expected key, what the seed says and why we agree or not)
+TABLE: list[tuple[str, dict[str, Any], str, str]] = [
+    ("500M", {}, "ddp", "seed: <1B -> ddp. Agrees: 16 B/param x 0.5B = 7.5 GiB per GPU."),
+    ("3B", {}, "ddp", "seed: 1-7B -> ddp or ZeRO-2. Agrees: 45 GiB fits the 64 GiB usable."),
+    (
+        "6B",
+        {},
+        "zero2",
+        "seed: 1-7B -> ddp or ZeRO-2, and the table says DDP for <7B. DDP stops fitting at ~4.3B "
+        "(16 B/param x 6B = 89 GiB > 64 GiB usable); ZeRO-2 needs 2 + 14/8 = 3.75 B/param = 21 GiB.",
+    ),
+    (
+        "13B",
+        {},
+        "zero2",
+        "seed table: ZeRO-2 for 1-13B (agrees); seed code: FSDP for 7-70B (disagrees: ZeRO-2 fits at "
+        "45 GiB per GPU and shards less, so it communicates less).",
+    ),
+    ("30B", {}, "fsdp", "seed: 7-70B -> FSDP. Agrees: 16/8 = 2 B/param = 56 GiB per GPU."),
+    (
+        "65B",
+        {},
+        "zero3_offload",
+        "seed: 7-70B -> FSDP. Wrong on one node: fully sharded over 8 GPUs it needs 121 GiB per GPU.",
+    ),
+    ("65B", {"num_nodes": 2}, "fsdp", "seed: 7-70B -> FSDP. Agrees with 2 nodes (16 GPUs): 61 GiB per GPU."),
+    ("70B", {}, "zero3_offload", "seed: 70B+ -> ZeRO-3 + offload. Agrees on one node (1,043 GiB of host RAM)."),
+    (
+        "70B",
+        {"num_nodes": 4},
+        "fsdp",
+        "seed: 70B+ -> ZeRO-3 + offload. Not needed on 4 nodes: sharded over 32 GPUs it is 33 GiB per GPU; "
+        "offloading would only slow it down.",
+    ),
+    ("70B", {"num_nodes": 4, "prefer_deepspeed": True}, "zero3", "seed table: ZeRO-3 for massive models."),
+    ("500M", {"num_nodes": 4}, "ddp", "seed table: DDP for a single node. DDP is fine across nodes too."),
+    # CPU (gloo) jobs: FSDP is refused by Lightning on CPU, offload is pointless there
+    (
+        "400M",
+        {"accelerator": "cpu", "devices_per_node": 2, "host_memory_gib": 16, "device_memory_gib": None},
+        "ddp",
+        "",
+    ),
+    (
+        "500M",
+        {"accelerator": "cpu", "devices_per_node": 2, "host_memory_gib": 16, "device_memory_gib": None},
+        "zero2",
+        "",
+    ),
+    (
+        "700M",
+        {"accelerator": "cpu", "devices_per_node": 2, "host_memory_gib": 16, "device_memory_gib": None},
+        "zero3",
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(("params", "extra", "expected", "why"), TABLE, ids=[f"{r[0]}-{r[2]}" for r in TABLE])
+def test_advisor_table(params: str, extra: dict[str, Any], expected: str, why: str) -> None:
+    inputs = {**SEED_HW, **extra}
+    if extra.get("accelerator") == "cpu":
+        inputs["precision"] = "32-true"
+    advice = advise(params, **inputs)
+    assert advice.key == expected, f"{why}\n{advice}"
+    chosen = next(e for e in advice.estimates if e.key == expected)
+    assert chosen.fits
+    # everything preferred over the choice does not fit, or is not available here, or lost to prefer_deepspeed
+    for e in advice.estimates[: advice.estimates.index(chosen)]:
+        assert not e.fits or (extra.get("prefer_deepspeed") and e.key == "fsdp")
+
+
+def test_arithmetic_is_shown() -> None:
+    advice = advise("13B", **SEED_HW)
+    text = str(advice)
+    assert "2+2+12=16" in text  # DeepSpeed bf16: half weights and grads, fp32 master + Adam moments
+    assert "4+4+8=16" in text  # torch autocast: fp32 weights and grads + Adam moments
+    assert "2+14/8 = 3.75 B" in text
+    assert "16/8 = 2 B" in text
+    assert "Recommended: DeepSpeed ZeRO-2 -> strategy='deepspeed_stage_2_cpu'" in text
+    by_key = {e.key: e for e in advice.estimates}
+    assert by_key["ddp"].device_bytes == 16 * 13e9
+    assert by_key["zero2"].device_bytes == pytest.approx(3.75 * 13e9)
+    assert by_key["zero3_offload"].host_bytes_per_node == 16 * 13e9
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "deepspeed", "expected"),
+    [
+        ("32-true", "adam", False, (4, 4, 8)),
+        ("32-true", "adam", True, (4, 4, 8)),
+        ("bf16-mixed", "adamw", False, (4, 4, 8)),
+        ("16-mixed", "adamw", True, (2, 2, 12)),
+        ("bf16-true", "adamw", False, (2, 2, 4)),
+        ("32-true", "sgd", False, (4, 4, 4)),
+        ("32-true", "sgd_nomomentum", False, (4, 4, 0)),
+        ("32-true", 2, False, (4, 4, 2)),
+    ],
+)
+def test_bytes_per_parameter(precision: str, optimizer: Any, deepspeed: bool, expected: tuple[int, ...]) -> None:
+    assert bytes_per_parameter(precision, optimizer, deepspeed=deepspeed) == expected
+
+
+def test_impossible_fit_is_a_clear_error() -> None:
+    with pytest.raises(AdvisorError, match=r"No strategy fits 175,000,000,000 parameters.*would fit on 2 node"):
+        advise("175B", **SEED_HW)
+    with pytest.raises(AdvisorError, match=r"No strategy fits.*would fit on 2 node"):
+        advise("1B", accelerator="cpu", devices_per_node=2, host_memory_gib=16, precision="32-true")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"num_parameters": "seven billion"}, "Cannot read 'seven billion'"),
+        ({"num_parameters": 0}, "positive"),
+        ({"num_parameters": "7B", "optimizer": "adamm"}, "Did you mean 'adam'"),
+        ({"num_parameters": "7B", "precision": "fp8"}, "Unknown precision 'fp8'"),
+        ({"num_parameters": "7B", "devices_per_node": 0}, "devices_per_node must be a positive integer"),
+        ({"num_parameters": "7B", "headroom": 1.5}, "headroom"),
+        ({"num_parameters": "7B", "accelerator": "tpu"}, "accelerator='tpu'"),
+        ({}, "Give either num_parameters or model"),
+    ],
+)
+def test_bad_input(kwargs: dict[str, Any], pattern: str) -> None:
+    kwargs.setdefault("device_memory_gib", 80)
+    with pytest.raises(AdvisorError, match=pattern):
+        advise(**kwargs)
+
+
+def test_parse_count() -> None:
+    assert [parse_count(v) for v in ("7e9", "7B", "1.3b", "350M", "125k", "7_000", 2.5e9)] == [
+        7_000_000_000,
+        7_000_000_000,
+        1_300_000_000,
+        350_000_000,
+        125_000,
+        7_000,
+        2_500_000_000,
+    ]
+
+
+def test_model_is_counted() -> None:
+    model = torch.nn.Linear(1000, 1000)
+    advice = advise(model=model, accelerator="cpu", devices_per_node=2, host_memory_gib=1, precision="32-true")
+    assert advice.num_parameters == 1_001_000
+    assert advice.key == "ddp"
+
+
+# ---------------------------------------------------------------------- the named strategy
+def test_advised_strategy_resolved_at_composition(lplugins_manager: lplugins.PluginManager) -> None:
+    pytest.importorskip("deepspeed")
+    from lplugins.strategies import DDPStrategy, DeepSpeedStrategy
+
+    spec = {"name": "advised", "num_parameters": "500M", "host_memory_gib": 16}
+    strategy = lplugins.compose(strategy=spec, accelerator="cpu", devices=2, precision="32-true")["strategy"]
+    assert isinstance(strategy, DeepSpeedStrategy)
+    assert strategy.config["zero_optimization"]["stage"] == 2
+    assert strategy.lplugins_advice.key == "zero2"
+    assert strategy.lplugins_advice.world_size == 2  # read from the Trainer arguments
+
+    small = lplugins.compose(strategy={"name": "advised", "num_parameters": 1e6}, accelerator="cpu", devices=2)
+    assert type(small["strategy"]) is DDPStrategy
+
+    spec = {"name": "advised", "num_parameters": "700M", "host_memory_gib": 16, "timeout": 5}
+    strategy = lplugins.compose(strategy=spec, accelerator="cpu", devices=2, num_nodes=1)["strategy"]
+    assert strategy.config["zero_optimization"]["stage"] == 3
+    assert strategy._timeout.total_seconds() == 5
+
+
+def test_advised_strategy_error_before_training(lplugins_manager: lplugins.PluginManager) -> None:
+    with pytest.raises(AdvisorError, match="No strategy fits"):
+        lplugins.compose(
+            strategy={"name": "advised", "num_parameters": "5B", "host_memory_gib": 16}, accelerator="cpu", devices=2
+        )
+
+
+def test_advised_strategy_on_gpu_kwargs_without_gpu() -> None:
+    # planning for GPUs on a machine without one: the device memory must be given
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    strategy = advised_strategy(
+        {"accelerator": "cpu", "devices": 1}, num_parameters=1e6, host_memory_gib=4, device_memory_gib=None
+    )
+    assert strategy.lplugins_advice.key == "ddp"
+    with pytest.raises(AdvisorError, match="pass device_memory_gib"):
+        advise("7B", accelerator="cuda")
+
+
+# ---------------------------------------------------------------------- CLI
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lplugins")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_cli_advise(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["advise", "13B", "--device-memory-gib", "80", "--devices-per-node", "8", "--host-memory-gib", "2048"]
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: DeepSpeed ZeRO-2 -> strategy='deepspeed_stage_2_cpu'" in out
+    assert _cli([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["key"] == "zero2" and data["world_size"] == 8
+    assert [e["key"] for e in data["estimates"]] == ["ddp", "zero2", "fsdp", "zero3", "zero3_offload"]
+
+
+def test_cli_advise_impossible() -> None:
+    with pytest.raises(AdvisorError, match="No strategy fits"):
+        _cli(["advise", "1T", "--device-memory-gib", "80", "--devices-per-node", "8", "--host-memory-gib", "512"])
