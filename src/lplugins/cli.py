@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--lenient", action="store_true", help="report failing plugins instead of stopping at the first"
     )
     p_list.set_defaults(func=_cmd_list)
+
+    from lplugins._demo import add_parser as add_demo
+
+    add_demo(sub)
     return parser
 
 
