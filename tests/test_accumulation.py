@@ -120,10 +120,19 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
-def fit(model: Any, accumulation: Any, *, callbacks: Sequence[Any] = (), ckpt_path: str | None = None, **kw: Any):
+def fit(
+    model: Any,
+    accumulation: Any,
+    *,
+    callbacks: Sequence[Any] = (),
+    before: Sequence[Any] = (),
+    ckpt_path: str | None = None,
+    **kw: Any,
+):
+    """Fit through lplugins.compose; `before` callbacks run before the scheduler's hooks, `callbacks` after."""
     observer = Observer()
     trainer = pl.Trainer(
-        **lplugins.compose(**trainer_kwargs(accumulate_grad_batches=accumulation, **kw)),
+        **lplugins.compose(**trainer_kwargs(accumulate_grad_batches=accumulation, callbacks=list(before), **kw)),
     )
     lplugins.attach(trainer, observer, *callbacks)
     trainer.fit(model, ckpt_path=ckpt_path)
@@ -491,3 +500,32 @@ def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(tmp_path: Path
     _, part2 = fit(second, schedule, max_epochs=2, ckpt_path=str(tmp_path / "epoch1.ckpt"))
     assert part1.factors + part2.factors == full.factors == [4, 4, 4, 4, 2, 2, 2, 2]
     torch.testing.assert_close(params(second), params(uninterrupted))
+
+
+# ---------------------------------------------------------------------------- docs
+def test_docs_examples_run() -> None:
+    """Every ```python block of docs/accumulation.md runs, in order, in one namespace."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "accumulation.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+    assert len(blocks) >= 6
+    namespace: dict[str, Any] = {"__name__": "docs_accumulation"}
+    for block in blocks:
+        exec(compile(block, "docs/accumulation.md", "exec"), namespace)
+    assert namespace["trainer"].global_step == 4  # the last example (manual optimization) trained
+
+
+def test_checkpoint_saved_by_a_callback_that_runs_before_the_scheduler(tmp_path: Path) -> None:
+    # Lightning resumes a checkpoint saved in on_train_batch_end as "this batch is done", whatever the callback
+    # order; the scheduler's state must say the same even if its own on_train_batch_end has not run yet
+    schedule = {"name": "step", "schedule": {0: 4, 3: 2}}
+    early, late = tmp_path / "early.ckpt", tmp_path / "late.ckpt"
+    fit(TinyModel(n=32), schedule, max_epochs=1, before=[SaveAt(9, early)], callbacks=[SaveAt(9, late)])
+
+    def state(path: Path) -> dict[str, Any]:
+        callbacks = torch.load(path, weights_only=False)["callbacks"]
+        return next(v for k, v in callbacks.items() if k.startswith("AccumulationScheduler"))
+
+    assert state(early) == state(late)
+    assert (state(early)["steps"], state(early)["window_pos"], state(early)["samples"]) == (2, 2, 20)
