@@ -277,3 +277,37 @@ def test_guard_refuses_lightning_calls_in_a_single_process(env: _Env, tmp_path) 
             module.log_dict({"loss": 1.0}, sync_dist=True)
     assert trainer.log_dir == log_dir
     assert not hasattr(type(trainer).save_checkpoint, "__lplugins_guarded__")
+
+
+# ---------------------------------------------------------------------------------------- docs
+def test_docs_examples_run(
+    env: _Env, lplugins_manager, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys, caplog
+) -> None:
+    """Every ```python block of docs/logging.md runs as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "logging.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 5
+    monkeypatch.chdir(tmp_path)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for block in blocks:
+                exec(compile(block, "docs/logging.md", "exec"), {"__name__": "docs_example"})
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    messages = [(r.rank, r.getMessage()) for r in caplog.records if r.name in ("docs_example", "data")]
+    assert messages == [
+        (0, "starting"),
+        (0, "[rank 0] shard 3 is empty"),
+        (0, "[rank 0] loaded my part"),
+        (0, "but this one only on rank 0"),
+    ]
+    assert [str(w.message) for w in caught if "once per job" in str(w.message)] == ["warned once per job"]
+    out = capsys.readouterr().out
+    assert "printed once per job" in out and "torch.distributed.barrier()" in out
