@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lplugins.callbacks._async import Writer, snapshot
-from lplugins.callbacks._resume import SafeResumeIO
+from lplugins.callbacks._resume import LATEST, NoCheckpoint, SafeResumeIO, latest_checkpoint
 from lplugins.callbacks._storage import TMP_PREFIX, Record, Storage, checkpoint_name, now
 
 log = logging.getLogger("lplugins")
@@ -195,6 +195,9 @@ class DurableCheckpoint(Checkpoint):
         if not isinstance(inner, SafeResumeIO):
             self._io = SafeResumeIO(inner, dirpath, lambda path: _agree_on_path(trainer, path))
             trainer.strategy.checkpoint_io = self._io
+        if _loads_itself(trainer) and "load_checkpoint" not in vars(trainer.strategy):
+            # e.g. DeepSpeed loads its directory itself, bypassing CheckpointIO: resolve "latest" in front of it
+            setattr(trainer.strategy, "load_checkpoint", _resolving_load(trainer, dirpath))  # noqa: B010
         if stage != "fit":
             return
         error: str | None = None
@@ -299,6 +302,8 @@ class DurableCheckpoint(Checkpoint):
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.inner
         self._io = None
+        if getattr(vars(trainer.strategy).get("load_checkpoint"), "_lplugins_resolving", False):
+            delattr(trainer.strategy, "load_checkpoint")
 
     # ---------------------------------------------------------------------------------- state
     @override
@@ -591,6 +596,36 @@ def _agree_on_path(trainer: Trainer, path: str | None) -> None:
             f"Ranks resolved different checkpoints to resume from ({listing}). The checkpoint directory must be"
             " shared by all ranks (or pass the same explicit ckpt_path everywhere)."
         )
+
+
+def _loads_itself(trainer: Trainer) -> bool:
+    """Whether the strategy loads checkpoints without going through its ``CheckpointIO`` (DeepSpeed)."""
+    from lightning.pytorch.strategies import Strategy
+
+    return type(trainer.strategy).load_checkpoint is not Strategy.load_checkpoint and hasattr(
+        trainer.strategy, "deepspeed_engine"
+    )
+
+
+def _resolving_load(trainer: Trainer, dirpath: str) -> Callable[..., Any]:
+    """The strategy's own ``load_checkpoint`` with ``"latest"`` resolved (and agreed on by all ranks) in front."""
+    original = trainer.strategy.load_checkpoint
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(checkpoint_path, str) and checkpoint_path == LATEST:
+            resolved = latest_checkpoint(dirpath)
+            _agree_on_path(trainer, resolved)
+            if resolved is None:
+                import lightning
+
+                return NoCheckpoint({"pytorch-lightning_version": lightning.__version__})
+            checkpoint_path = resolved
+        else:
+            _agree_on_path(trainer, os.fspath(checkpoint_path))
+        return original(checkpoint_path, *args, **kwargs)
+
+    load_checkpoint._lplugins_resolving = True  # type: ignore[attr-defined]
+    return load_checkpoint
 
 
 def _writes_itself(trainer: Trainer) -> bool:

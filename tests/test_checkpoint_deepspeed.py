@@ -1,0 +1,78 @@
+"""DurableCheckpoint with DeepSpeed ZeRO-2 on 2 CPU processes: directory checkpoints, committed and resumed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests._dist import run_script
+
+pytest.importorskip("deepspeed")
+
+SCRIPT = r"""
+import json, os
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+import lplugins
+from lplugins.callbacks import DurableCheckpoint, latest_checkpoint
+from lplugins.callbacks._storage import Storage
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class Start(pl.Callback):
+    def on_train_start(self, trainer, module):
+        self.step = trainer.global_step
+
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(64, 8, generator=g)
+data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def fit(max_steps, ckpt_path=None):
+    cb, start = DurableCheckpoint("ckpts", every_n_steps=2, keep_last=2), Start()
+    kwargs = lplugins.compose(strategy="deepspeed_stage_2_cpu", accelerator="cpu", devices=2, max_steps=max_steps,
+                              callbacks=[cb, start], logger=False, enable_progress_bar=False,
+                              enable_model_summary=False)
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(Model(), data, ckpt_path=ckpt_path)
+    return trainer, cb, start
+
+
+t1, cb1, s1 = fit(5, ckpt_path="latest")  # nothing to resume yet: a fresh start
+t2, cb2, s2 = fit(7, ckpt_path="latest")
+records = [(r.name, r.kind, r.global_step, len(r.files)) for r in Storage("ckpts").find_committed()]
+with open(f"rank{t2.global_rank}.json", "w") as f:
+    json.dump({"starts": [s1.step, s2.step], "records": records, "entries": sorted(os.listdir("ckpts")),
+               "latest": latest_checkpoint("ckpts")}, f)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_deepspeed_directory_checkpoints_commit_and_resume(tmp_path: Path) -> None:
+    run_script(SCRIPT, tmp_path, timeout=400).check()
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["starts"] == [0, 5]  # the second run resumed at the end-of-fit checkpoint of the first
+        # every 2 steps and at the end: 2, 4, 5 then 6, 7; keep_last=2
+        assert [(kind, step) for _, kind, step, _ in res["records"]] == [("dir", 6), ("dir", 7)]
+        assert all(nfiles >= 2 for *_, nfiles in res["records"])  # both ranks' shards are in the record
+        names = [name for name, *_ in res["records"]]
+        assert res["entries"] == sorted(names + [n + ".commit" for n in names])  # nothing else left behind
+        assert res["latest"].endswith(names[-1])
