@@ -59,6 +59,15 @@ lplugins.attach(trainer, observer, probe)
 trainer.fit(model)
 result = {"factors": observer.factors, "synced": probe.synced, "zero_grad_at": observer.zero_grad_at,
           "global_step": trainer.global_step, "params": params(model).tolist()}
+
+# the same run with manual optimization and AccumulationScheduler.backward()
+manual = TinyModel(n=32, batch_size=2, manual=True)
+observer, probe = Observer(), SyncProbe()
+trainer = pl.Trainer(**lplugins.compose(**kwargs))
+lplugins.attach(trainer, observer, probe)
+trainer.fit(manual)
+result["manual"] = {"factors": observer.factors, "synced": probe.synced, "global_step": trainer.global_step,
+                    "params": params(manual).tolist()}
 with open(f"result_{trainer.global_rank}.json", "w") as f:
     json.dump(result, f)
 """
@@ -77,6 +86,10 @@ def test_ddp_accumulation_equals_big_batch_and_skips_sync_inside_windows(tmp_pat
         assert result["global_step"] == len(factors)
         assert result["synced"] == window_end  # all-reduce only on the micro-batch that ends a window
         assert result["zero_grad_at"] == [0, 2, 4, 8, 12]
+        manual = result["manual"]  # manual optimization with the helper: same windows, same sync pattern
+        assert manual["factors"] == factors and manual["global_step"] == len(factors)
+        assert manual["synced"] == window_end
+        torch.testing.assert_close(torch.tensor(manual["params"]), torch.tensor(result["params"]))
     assert results[0]["params"] == results[1]["params"]
     # DistributedSampler (no shuffle) gives rank r samples r, r+2, ...; the two ranks' micro-batch j together
     # are samples 4j..4j+3, so the run equals one process stepping on windows of 4-sample batches
