@@ -7,4 +7,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+.venv/bin/mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/lplugins-site"
 .venv/bin/python -m pytest -q --timeout=300 -p no:cacheprovider "$@"
