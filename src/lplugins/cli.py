@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_list.set_defaults(func=_cmd_list)
 
     from lplugins._demo import add_parser as add_demo
+    from lplugins._scaffold import add_parser as add_scaffold
 
     add_demo(sub)
+    add_scaffold(sub)
     return parser
 
 
