@@ -305,3 +305,19 @@ def test_fsspec_memory_filesystem_round_trip() -> None:
         import fsspec
 
         fsspec.filesystem("memory").rm("/lplugins-ckpt-test", recursive=True)
+
+
+def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "checkpoint.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    for _ in range(2):  # the second run resumes from the first one's checkpoints
+        exec(compile(example, "docs/checkpoint.md", "exec"), namespace)
+    assert namespace["checkpoint"].committed
+    assert namespace["trainer"].global_step == 16
+
+
+def test_two_callbacks_in_different_directories_have_distinct_state(tmp_path: Path) -> None:
+    a, b = DurableCheckpoint(tmp_path / "a"), DurableCheckpoint(tmp_path / "b")
+    assert a.state_key != b.state_key

@@ -138,6 +138,7 @@ class DurableCheckpoint(Checkpoint):
         ):
             raise ValueError(f"preemption_exit_code must be an int in 0..255 or None, got {preemption_exit_code!r}")
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
+        self._dirpath_arg = self.dirpath
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.every_n_epochs = every_n_epochs
@@ -173,6 +174,11 @@ class DurableCheckpoint(Checkpoint):
         self._rng_states: list[dict[str, Any]] | None = None
 
     # ---------------------------------------------------------------------------------- public API
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=self._dirpath_arg)
+
     @property
     def committed(self) -> list[str]:
         """Paths of the committed checkpoints this callback keeps, oldest first (rank 0's view)."""
