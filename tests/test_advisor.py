@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from typing import Any
 
@@ -85,6 +86,8 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
         "",
     ),
 ]
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")
 
 
 @pytest.mark.parametrize(("params", "extra", "expected", "why"), TABLE, ids=[f"{r[0]}-{r[2]}" for r in TABLE])
@@ -178,8 +181,8 @@ def test_model_is_counted() -> None:
 
 
 # ---------------------------------------------------------------------- the named strategy
+@needs_deepspeed
 def test_advised_strategy_resolved_at_composition(lplugins_manager: lplugins.PluginManager) -> None:
-    pytest.importorskip("deepspeed")
     from lplugins.strategies import DDPStrategy, DeepSpeedStrategy
 
     spec = {"name": "advised", "num_parameters": "500M", "host_memory_gib": 16}

@@ -112,6 +112,7 @@ result = {
 }
 with open(os.path.join(OUT, f"rank{t2.global_rank}.json"), "w") as f:
     json.dump(result, f)
+torch.distributed.barrier()  # rank 0 must not exit (and end the job) before rank 1 has written
 """
 
 

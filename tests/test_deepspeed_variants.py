@@ -85,6 +85,7 @@ for strategy, extra in runs:
     }
 with open(os.path.join(OUT, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump(results, f)
+torch.distributed.barrier()  # rank 0 must not exit (and end the job) before rank 1 has written
 """
 
 

@@ -1,0 +1,168 @@
+"""A simulated 2-node job on localhost: one CPU process per node, started separately, as on a cluster.
+
+Once through an lplugins strategy with the standard variables (``MASTER_ADDR=127.0.0.1``,
+``NODE_RANK=0/1``), once through a cluster environment that a plugin registers by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests._dist import free_port, run_script
+
+# The driver starts the two "nodes" (the same script, different environment) and waits for both.
+DRIVER = r"""
+import json, os, subprocess, sys
+node_script, out, mode, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+procs = []
+for node in (0, 1):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE")}
+    if mode == "standard":
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
+    else:  # the plugin's scheduler speaks its own variables
+        env.update(ACME_HEAD="127.0.0.1", ACME_PORT=port, ACME_NODE_INDEX=str(node), ACME_NUM_NODES="2")
+    procs.append(subprocess.Popen([sys.executable, node_script, out, mode, str(node)], env=env))
+codes = [p.wait(timeout=300) for p in procs]
+sys.exit(max(codes))
+"""
+
+NODE = r"""
+import json, os, sys
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from lightning.fabric.plugins.environments import ClusterEnvironment
+import lplugins
+
+OUT, MODE, NODE = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+class AcmeEnvironment(ClusterEnvironment):
+    # a scheduler Lightning does not know: one process per node, started by the scheduler
+    @property
+    def creates_processes_externally(self):
+        return True
+
+    @property
+    def main_address(self):
+        return os.environ["ACME_HEAD"]
+
+    @property
+    def main_port(self):
+        return int(os.environ["ACME_PORT"])
+
+    @staticmethod
+    def detect():
+        return "ACME_NODE_INDEX" in os.environ
+
+    def world_size(self):
+        return int(os.environ["ACME_NUM_NODES"])
+
+    def set_world_size(self, size):
+        pass
+
+    def global_rank(self):
+        return int(os.environ["ACME_NODE_INDEX"])
+
+    def set_global_rank(self, rank):
+        pass
+
+    def local_rank(self):
+        return 0
+
+    def node_rank(self):
+        return int(os.environ["ACME_NODE_INDEX"])
+
+
+class AcmePlugin:
+    @staticmethod
+    @lplugins.hookimpl
+    def lplugins_register_cluster_environments(register):
+        register("acme", AcmeEnvironment, description="Acme scheduler", detect=AcmeEnvironment.detect)
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+manager = lplugins.load(autoload=False)
+kwargs = dict(accelerator="cpu", devices=1, num_nodes=2, max_steps=3, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False)
+if MODE == "standard":
+    kwargs = lplugins.compose(strategy="deepspeed_stage_2_cpu", **kwargs)
+else:
+    manager.register(AcmePlugin, "acme-plugin")
+    # node 0 names the environment; node 1 relies on the plugin's detect()
+    kwargs = lplugins.compose(strategy="ddp_timeout", plugins=["acme"] if NODE == 0 else [], **kwargs)
+trainer = pl.Trainer(**kwargs)
+g = torch.Generator().manual_seed(NODE)  # each node sees different data
+x = torch.randn(32, 4, generator=g)
+model = Model()
+trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
+
+import torch.distributed as dist
+rank_sum = torch.tensor([float(trainer.global_rank)])
+dist.all_reduce(rank_sum)
+params = torch.cat([p.detach().flatten() for p in trainer.lightning_module.parameters()]).tolist()
+result = {
+    "node_rank": trainer.node_rank, "global_rank": trainer.global_rank, "world_size": trainer.world_size,
+    "num_nodes": trainer.num_nodes, "environment": type(trainer.strategy.cluster_environment).__name__,
+    "strategy": type(trainer.strategy).__module__, "rank_sum": rank_sum.item(), "params": params,
+    "global_step": trainer.global_step, "backend": dist.get_backend(),
+}
+with open(os.path.join(OUT, f"node{NODE}.json"), "w") as f:
+    json.dump(result, f)
+"""
+
+
+def _run(tmp_path: Path, mode: str) -> list[dict]:
+    node = tmp_path / "node.py"
+    node.write_text(NODE)
+    run_script(DRIVER, tmp_path, timeout=300, args=[str(node), str(tmp_path), mode, str(free_port())]).check()
+    return [json.loads((tmp_path / f"node{n}.json").read_text()) for n in (0, 1)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(320)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")
+def test_two_nodes_through_an_lplugins_strategy(tmp_path: Path) -> None:
+    results = _run(tmp_path, "standard")
+    for node, res in enumerate(results):
+        assert res["node_rank"] == node
+        assert res["global_rank"] == node
+        assert res["world_size"] == 2 and res["num_nodes"] == 2
+        assert res["strategy"] == "lplugins.strategies.deepspeed"
+        assert res["environment"] == "LightningEnvironment"
+        assert res["backend"] == "gloo"
+        assert res["rank_sum"] == 1.0  # an all-reduce spanning both nodes
+        assert res["global_step"] == 3
+    # each node trained on different data; ZeRO-2 keeps the parameters identical
+    assert results[0]["params"] == results[1]["params"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(320)
+def test_two_nodes_through_a_plugin_cluster_environment(tmp_path: Path) -> None:
+    results = _run(tmp_path, "acme")
+    for node, res in enumerate(results):
+        assert res["environment"] == "AcmeEnvironment"  # node 0 by name, node 1 detected
+        assert res["node_rank"] == node and res["global_rank"] == node
+        assert res["world_size"] == 2 and res["num_nodes"] == 2
+        assert res["strategy"] == "lplugins.strategies.ddp"
+        assert res["rank_sum"] == 1.0
+        assert res["global_step"] == 3
+    assert results[0]["params"] == results[1]["params"]
