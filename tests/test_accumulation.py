@@ -529,3 +529,21 @@ def test_checkpoint_saved_by_a_callback_that_runs_before_the_scheduler(tmp_path:
 
     assert state(early) == state(late)
     assert (state(early)["steps"], state(early)["window_pos"], state(early)["samples"]) == (2, 2, 20)
+
+
+def test_estimated_stepping_batches_follows_the_schedule() -> None:
+    from lplugins.accumulation import AccumulationScheduler
+
+    class OneCycle(TinyModel):
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=LR)
+            self.total = AccumulationScheduler.of(self.trainer).estimated_stepping_batches(self.trainer)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=self.total)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    model = OneCycle(n=24)  # OneCycleLR raises if stepped more than total_steps times
+    trainer, obs = fit(model, {"name": "step", "schedule": {0: 2, 3: 4}}, max_epochs=2)
+    assert model.total == trainer.global_step == len(obs.factors) == 8
+    model = OneCycle(n=24)
+    trainer, _ = fit(model, {"name": "step", "schedule": {0: 2, 3: 4}}, max_epochs=2, max_steps=5)
+    assert model.total == trainer.global_step == 5

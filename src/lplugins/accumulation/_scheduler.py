@@ -131,6 +131,61 @@ class AccumulationScheduler(Callback):
                 return cb
         raise ScheduleError("This Trainer has no lplugins AccumulationScheduler callback.")
 
+    def estimated_stepping_batches(self, trainer: pl.Trainer) -> int | float:
+        """The number of optimizer steps of the whole run under this schedule.
+
+        ``trainer.estimated_stepping_batches`` assumes one constant ``accumulate_grad_batches``; use
+        this instead, e.g. for ``OneCycleLR(total_steps=...)`` in ``configure_optimizers``. The
+        schedule is played over ``max_epochs`` epochs of ``num_training_batches`` micro-batches
+        (each epoch's last window ending with the epoch), from the start of training, and capped
+        by ``max_steps``.
+
+        Args:
+            trainer: The Trainer (its train dataloader is loaded if needed, as Lightning does).
+
+        Returns:
+            The number of optimizer steps, or ``inf`` for endless training.
+
+        Raises:
+            ScheduleError: the schedule needs the micro-batch size and it is unknown.
+
+        Example::
+
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.1)
+                total = AccumulationScheduler.of(self.trainer).estimated_stepping_batches(self.trainer)
+                return [opt], [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total)]
+        """
+        max_steps = trainer.max_steps
+        if trainer.max_epochs is None or trainer.max_epochs == -1:
+            return float("inf") if max_steps == -1 else max_steps
+        if trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()
+        per_epoch = trainer.num_training_batches
+        if per_epoch == float("inf"):
+            return float("inf") if max_steps == -1 else max_steps
+        world = trainer.world_size
+        micro = self._resolve_micro(trainer)
+        if micro is None and self.schedule.needs_micro_batch_size:
+            raise ScheduleError(
+                f"{self.schedule!r} needs the micro-batch size to estimate the steps; pass micro_batch_size=...."
+            )
+        self.schedule.check(micro_batch_size=micro, world_size=world)
+        steps = samples = 0
+        for epoch in range(max(trainer.max_epochs, 1)):
+            remaining = int(per_epoch)
+            while remaining > 0:
+                context = ScheduleContext(
+                    epoch=epoch, step=steps, samples=samples, micro_batch_size=micro, world_size=world
+                )
+                window = min(self.schedule.factor(context), remaining)
+                remaining -= window
+                samples += window * (micro or 0) * world
+                steps += 1
+                if max_steps != -1 and steps >= max_steps:
+                    return max_steps
+        return steps
+
     def backward(self, pl_module: pl.LightningModule, loss: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
         """Manual optimization: scaled backward, without gradient sync inside a window.
 
