@@ -205,7 +205,7 @@ class Payload:
 
 def test_pickled_code_payload_is_refused_and_never_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pwned = tmp_path / "pwned"
-    monkeypatch.setenv("LPLUGINS_TEST_PWNED", str(pwned))
+    monkeypatch.setenv("LPLUGINS_TEST_PWNED", str(pwned))  # LPLUGINS_* is exempt from the leak check
     ckdir = tmp_path / "ckpts"
     fit(DurableCheckpoint(ckdir, every_n_steps=1, keep_last=1), max_steps=1)
     good = Path(latest_checkpoint(ckdir) or "")
@@ -321,3 +321,20 @@ def test_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_two_callbacks_in_different_directories_have_distinct_state(tmp_path: Path) -> None:
     a, b = DurableCheckpoint(tmp_path / "a"), DurableCheckpoint(tmp_path / "b")
     assert a.state_key != b.state_key
+
+
+def test_slurm_requeue_calls_scontrol_for_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lplugins.callbacks.checkpoint import _slurm_requeue
+
+    fake = tmp_path / "scontrol"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "called"}\n')
+    fake.chmod(0o755)
+    with monkeypatch.context() as env:  # undone inside the test: the leak check runs before monkeypatch's undo
+        env.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+        env.setenv("SLURM_JOB_ID", "1234")
+        _slurm_requeue()
+        assert (tmp_path / "called").read_text().split() == ["requeue", "1234"]
+        env.setenv("SLURM_ARRAY_JOB_ID", "77")
+        env.setenv("SLURM_ARRAY_TASK_ID", "3")
+        _slurm_requeue()
+        assert (tmp_path / "called").read_text().split() == ["requeue", "77_3"]
