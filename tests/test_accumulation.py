@@ -547,3 +547,31 @@ def test_estimated_stepping_batches_follows_the_schedule() -> None:
     model = OneCycle(n=24)
     trainer, _ = fit(model, {"name": "step", "schedule": {0: 2, 3: 4}}, max_epochs=2, max_steps=5)
     assert model.total == trainer.global_step == 5
+
+
+def test_one_scheduler_object_in_two_fresh_runs_starts_over() -> None:
+    from lplugins.accumulation import AccumulationScheduler
+
+    scheduler = AccumulationScheduler(StepSchedule({0: 2, 3: 4}))
+    runs = []
+    for _ in range(2):
+        observer = Observer()
+        trainer = pl.Trainer(**trainer_kwargs(max_epochs=1, callbacks=[scheduler, observer]))
+        trainer.fit(TinyModel(n=24))
+        runs.append(observer.factors)
+    assert runs[0] == runs[1] == [2, 2, 2, 4, 2]
+    assert scheduler.steps == 5 and scheduler.samples == 24
+
+
+def test_resume_from_a_checkpoint_without_scheduler_state_uses_lightnings_step(tmp_path: Path) -> None:
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=1))
+    trainer.fit(TinyModel(n=24))  # 12 optimizer steps, no schedule
+    trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    resumed, obs = fit(
+        TinyModel(n=24),
+        {"name": "step", "schedule": {0: 1, 12: 3}},
+        max_epochs=2,
+        ckpt_path=str(tmp_path / "plain.ckpt"),
+    )
+    assert obs.factors == [3, 3, 3, 3]
+    assert resumed.global_step == 16

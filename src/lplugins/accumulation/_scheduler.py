@@ -102,6 +102,7 @@ class AccumulationScheduler(Callback):
         self._manual_called = False
         self._installed: list[tuple[object, str]] = []
         self._deepspeed = False
+        self._restored = False
 
     # ------------------------------------------------------------------ public
     @property
@@ -231,6 +232,8 @@ class AccumulationScheduler(Callback):
         if stage != "fit":
             return
         self._check_trainer(trainer, pl_module)
+        self._restored = False
+        self._loaded_world_size = None
         self._manual = not pl_module.automatic_optimization
         if not self._manual:
             self._install(trainer)
@@ -238,6 +241,16 @@ class AccumulationScheduler(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         world = trainer.world_size
+        if not self._restored and trainer.global_step != self.steps:
+            # a fresh run (this callback object may have trained before), or a checkpoint without our state:
+            # start from Lightning's step count
+            self.steps, self.samples, self._pos = trainer.global_step, 0, 0
+            self._announced = None
+            if trainer.global_step and trainer.is_global_zero:
+                log.info(
+                    f"lplugins: the checkpoint holds no accumulation-scheduler state; {self.schedule!r} continues "
+                    f"from optimizer step {trainer.global_step} (samples counted from 0)."
+                )
         if self._loaded_world_size is not None and self._loaded_world_size != world:
             if trainer.is_global_zero:
                 log.info(
@@ -340,6 +353,7 @@ class AccumulationScheduler(Callback):
         self._k = int(state_dict["window_factor"])
         self._boundary = bool(state_dict["boundary"])
         self._loaded_world_size = state_dict.get("world_size")
+        self._restored = True
         if self._pos == 0:
             self._announced = None
 
