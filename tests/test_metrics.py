@@ -63,6 +63,7 @@ def _trainer(tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
+        log_every_n_steps=1,
         **kwargs,
     )
 

@@ -29,7 +29,7 @@ def worker(rank):
     log.info("before init: every", all_ranks=True)
     rank_zero_print("print: once", flush=True)
     rank_zero_warn("warn: once")
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))  # short
     del os.environ["RANK"]  # from here on, the process group says who is who
     log.info("after init: once")
     log.info("after init: every", all_ranks=True)
@@ -87,8 +87,10 @@ def test_torch_collectives_in_guard_raise_and_ranks_stay_in_step(tmp_path: Path)
 LIGHTNING_JOB = """
 import json, os, sys, time
 import torch
+from datetime import timedelta
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import DDPStrategy
 import torchmetrics
 
 from lplugins.callbacks import DurableCheckpoint, request_checkpoint
@@ -138,7 +140,8 @@ class Model(BoringModel):
 if __name__ == "__main__":
     model = Model()
     durable = DurableCheckpoint("durable", save_on_train_end=False, keep_last=None, preemption_signals=())
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, limit_train_batches=4,
+    trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=4,
+                      strategy=DDPStrategy(timeout=timedelta(seconds=60)),  # short: a missed refusal fails fast
                       limit_val_batches=0, logger=False, callbacks=[durable], enable_progress_bar=False,
                       enable_model_summary=False)
     trainer.fit(model)

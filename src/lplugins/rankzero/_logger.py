@@ -139,7 +139,7 @@ def rank_zero_print(*args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         **kwargs: ``sep``, ``end``, ``file``, ``flush`` as for ``print``.
 
     Example:
-        >>> rank_zero_print("hello")  # doctest: +SKIP
+        >>> rank_zero_print("hello")
         hello
     """
     rank = global_rank()
