@@ -11,26 +11,75 @@ from typing import Any
 import torch
 
 
-def snapshot(obj: Any) -> Any:
+def snapshot(obj: Any, buffers: list[torch.Tensor] | None = None, used: list[torch.Tensor] | None = None) -> Any:
     """A deep copy of a checkpoint dict with every tensor copied to CPU memory.
 
-    Containers are rebuilt, tensors are cloned (so training may change the originals right away), and
+    Containers are rebuilt, tensors are copied (so training may change the originals right away), and
     other leaves are deep-copied.
+
+    Args:
+        obj: The checkpoint (or any part of it).
+        buffers: CPU tensors from an earlier snapshot of the same structure, reused in traversal order
+            where shape, dtype and strides match (``copy_`` into memory that is already mapped is
+            several times faster than allocating).
+        used: Receives the tensors of the new snapshot, in traversal order (to reuse them next time).
     """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the dict's type (OrderedDict, AttributeDict, ...)
-        for k, v in obj.items():
-            out[k] = snapshot(v)
-        return out
-    if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(snapshot(v) for v in obj)
-    if isinstance(obj, (str, bytes, int, float, bool, type(None))):
-        return obj
-    return copy.deepcopy(obj)
+    pool = iter(buffers or ())
+    out_used: list[torch.Tensor] = [] if used is None else used
+
+    def copy_tensor(t: torch.Tensor) -> torch.Tensor:
+        src = t.detach()
+        buf = next(pool, None)
+        if (
+            buf is not None
+            and buf.shape == src.shape
+            and buf.dtype == src.dtype
+            and buf.stride() == src.stride()
+            and src.layout == torch.strided
+        ):
+            buf.copy_(src)
+        else:
+            buf = src.to("cpu", copy=True)
+        out_used.append(buf)
+        return buf
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return copy_tensor(o)
+        if isinstance(o, dict):
+            out = copy.copy(o)  # keeps the dict's type (OrderedDict, AttributeDict, ...)
+            for k, v in o.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(o, list):
+            return [walk(v) for v in o]
+        if isinstance(o, tuple) and not hasattr(o, "_fields"):
+            return tuple(walk(v) for v in o)
+        if isinstance(o, (str, bytes, int, float, bool, type(None))):
+            return o
+        return copy.deepcopy(o)
+
+    return walk(obj)
+
+
+class BufferPool:
+    """CPU buffers of finished snapshots, handed to the next snapshot (at most ``size`` sets kept)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[list[torch.Tensor]] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> list[torch.Tensor] | None:
+        """A free set of buffers, or None."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        """Return a set whose write is finished."""
+        with self._lock:
+            if len(self._free) < self.size:
+                self._free.append(buffers)
 
 
 class Writer:

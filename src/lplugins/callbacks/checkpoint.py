@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lplugins.callbacks._async import Writer, snapshot
+from lplugins.callbacks._async import BufferPool, Writer, snapshot
 from lplugins.callbacks._resume import LATEST, NoCheckpoint, SafeResumeIO, latest_checkpoint
 from lplugins.callbacks._storage import TMP_PREFIX, Record, Storage, checkpoint_name, now
 
@@ -162,6 +162,7 @@ class DurableCheckpoint(Checkpoint):
         self._records: list[Record] = []
         self._lock = threading.Lock()
         self._writer: Writer | None = None
+        self._pool: BufferPool | None = None
         self._writes_itself = True
         self._async_active = False
         self._requested = False
@@ -234,6 +235,7 @@ class DurableCheckpoint(Checkpoint):
         self._async_active = self.async_save and self._writes_itself
         if self._async_active and trainer.is_global_zero:
             self._writer = Writer(self.max_in_flight)
+            self._pool = BufferPool(1)
         self._boundary_step = -1
         self._last_saved_step = -1
         self._last_save_time = time.monotonic()
@@ -305,6 +307,7 @@ class DurableCheckpoint(Checkpoint):
         if self._writer is not None:
             writer, self._writer = self._writer, None
             writer.close()
+        self._pool = None  # the CPU copies of the state
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.inner
         self._io = None
@@ -357,10 +360,20 @@ class DurableCheckpoint(Checkpoint):
             self._rng_states = None
         if self._writes_itself and self._async_active:
             # errors of the background write surface at the next step boundary, on every rank
-            if self._writer is not None:
-                data = snapshot(checkpoint)
+            if self._writer is not None and self._pool is not None:
+                used: list[torch.Tensor] = []
+                data = snapshot(checkpoint, self._pool.take(), used)
                 del checkpoint
-                self._writer.submit(lambda: self._write_file(record, data))
+                pool = self._pool
+
+                def job() -> None:
+                    try:
+                        self._write_file(record, data)
+                    finally:
+                        data.clear()
+                        pool.give(used)
+
+                self._writer.submit(job)
         elif self._writes_itself:
             error: BaseException | None = None
             if trainer.is_global_zero:
