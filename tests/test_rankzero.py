@@ -71,6 +71,8 @@ def env() -> Iterator[_Env]:
         ({"LOCAL_RANK": "1"}, 1, "LOCAL_RANK"),  # Lightning's own launcher, one node
         ({"LOCAL_RANK": "1", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 3, "LOCAL_RANK"),
         ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, 1, "LOCAL_RANK"),  # another node: not rank 0
+        ({"NODE_RANK": "1"}, 1, "NODE_RANK"),  # main process of node 1, before Lightning launches anything
+        ({"NODE_RANK": "0"}, 0, "default"),
         ({"RANK": "not-a-number", "LOCAL_RANK": "2"}, 2, "LOCAL_RANK"),
     ],
 )

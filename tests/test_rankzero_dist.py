@@ -191,3 +191,48 @@ def test_uncaught_guard_error_ends_the_job(tmp_path: Path) -> None:
     assert res.returncode != 0
     assert "CollectiveInRankZeroBlockError: Trainer.save_checkpoint() was called inside a rank-zero block" in res.stderr
     assert "DONE" not in res.stdout
+
+
+NODE_JOB = """
+import logging, sys
+from lplugins.rankzero import get_logger
+
+logging.basicConfig(level=logging.INFO, format="LOG %(rank)s %(message)s", stream=sys.stdout)
+log = get_logger("node")
+log.info("module level: once")  # before anything is launched: only NODE_RANK says which node this is
+log.info("module level: every", all_ranks=True)
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+class Model(BoringModel):
+    def on_train_start(self):
+        log.info("train start: once")
+        log.info("train start: every", all_ranks=True)
+
+trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", max_steps=2, limit_val_batches=0,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Model())
+"""
+
+TWO_NODES = """
+import os, subprocess, sys
+procs = [subprocess.Popen([sys.executable, "node.py"], env={**os.environ, "NODE_RANK": str(n)}) for n in (0, 1)]
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_logger_on_simulated_two_nodes(tmp_path: Path) -> None:
+    """Two 'nodes' on localhost (num_nodes=2, one process each, NODE_RANK): once means once, also
+    before the process group exists."""
+    (tmp_path / "node.py").write_text(NODE_JOB)
+    res = run_script(TWO_NODES, tmp_path, timeout=150).check()
+    lines = [line for line in res.stdout.splitlines() if line.startswith("LOG ")]
+    for when in ("module level", "train start"):
+        assert lines.count(f"LOG 0 {when}: once") == 1, lines
+        assert sorted(line for line in lines if line.endswith(f"{when}: every")) == [
+            f"LOG 0 [rank 0] {when}: every",
+            f"LOG 1 [rank 1] {when}: every",
+        ]
+    assert len(lines) == 6, lines

@@ -55,8 +55,8 @@ def rank_info() -> RankInfo:
     Once ``torch.distributed`` is initialised its rank is used. Before that, the environment is read
     as the launchers set it: ``RANK`` (torchrun), ``SLURM_PROCID`` (SLURM), ``JSM_NAMESPACE_RANK``
     (LSF), and finally ``LOCAL_RANK`` with ``NODE_RANK``/``GROUP_RANK`` (Lightning's own launcher,
-    which sets only those). Without ``LOCAL_WORLD_SIZE`` the rank computed from ``LOCAL_RANK`` on a
-    node other than 0 is only guaranteed to be non-zero, not exact.
+    which sets only those; a node's main process has only ``NODE_RANK``). Without ``LOCAL_WORLD_SIZE``
+    the rank computed on a node other than 0 is only guaranteed to be non-zero, not exact.
 
     Returns:
         The rank, the world size and where they came from.
@@ -74,10 +74,12 @@ def rank_info() -> RankInfo:
         if value is not None:
             return RankInfo(value, world, name)
     local = _env_int("LOCAL_RANK")
-    if local is not None:
-        node = _env_int("NODE_RANK") or _env_int("GROUP_RANK") or 0
+    node = _env_int("NODE_RANK") or _env_int("GROUP_RANK") or 0
+    if local is not None or node:
+        # Lightning's launcher: LOCAL_RANK in its children; a node's main process has only NODE_RANK
+        local = local or 0
         per_node = _env_int("LOCAL_WORLD_SIZE") or local + 1
-        return RankInfo(node * per_node + local, world, "LOCAL_RANK")
+        return RankInfo(node * per_node + local, world, "LOCAL_RANK" if "LOCAL_RANK" in os.environ else "NODE_RANK")
     return RankInfo(0, 1, "default")
 
 
