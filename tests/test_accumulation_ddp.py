@@ -138,6 +138,10 @@ def test_constant_global_batch_is_kept_when_world_size_grows_on_resume(tmp_path:
         assert two["global_step"] == 8
         assert two["state"]["world_size"] == 2 and two["state"]["samples"] == 64
     assert "world size changed from 1 to 2" in phase2.stderr
+    # logged once, by rank zero only (both ranks configured logging at INFO)
+    assert (
+        phase2.stderr.count("lplugins: gradient accumulation 2 micro-batch(es) per step, effective global batch 8") == 1
+    )
     # a global batch of 8 throughout: the same as plain SGD on sequential batches of 8, over both phases
     x, y = make_data(32)
     expected = reference_sgd(x, y, sequential_windows(32, 8, [1] * 8, 2), [1] * 8)
