@@ -151,3 +151,75 @@ def test_zero_on_two_cpu_processes(tmp_path: Path, name: str, stage: int) -> Non
     assert ranks[0]["first"]["end"]["params"] == ranks[1]["first"]["end"]["params"]
     total = sum(r["first"]["end"]["adam_state_numel"] for r in ranks)
     assert total >= 2 * ranks[0]["num_params"]
+
+
+ACCUMULATION_SCRIPT = r"""
+import copy, json, os, sys
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+import lplugins
+
+OUT = sys.argv[1]
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class SetSteps(pl.Callback):
+    def on_train_start(self, trainer, module):
+        trainer.strategy.set_gradient_accumulation_steps(4)
+
+
+# every sample is the same: whatever the accumulation, one optimizer step must equal one SGD step
+# on that sample's loss
+x = torch.randn(1, 4, generator=torch.Generator().manual_seed(0)).repeat(64, 1)
+y = torch.full((64, 1), 3.0)
+reference = Model()
+loss = torch.nn.functional.mse_loss(reference.layer(x[:1]), y[:1])
+loss.backward()
+expected = [(p - 0.1 * p.grad).detach().flatten().tolist() for p in reference.parameters()]
+
+results = {}
+for label, accumulate, callbacks in (("trainer_k2", 2, []), ("engine_k4", 1, [SetSteps()])):
+    model = Model()
+    trainer = pl.Trainer(**lplugins.compose(
+        strategy="deepspeed_stage_2_cpu", accelerator="cpu", devices=2, max_steps=1, logger=False,
+        accumulate_grad_batches=accumulate, callbacks=callbacks, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False))
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=2))
+    results[label] = {
+        "params": [p.detach().flatten().tolist() for p in model.parameters()],
+        "gas": trainer.strategy.deepspeed_engine.gradient_accumulation_steps(),
+        "batches": trainer.fit_loop.epoch_loop.batch_progress.total.ready,
+    }
+results["expected"] = expected
+with open(os.path.join(OUT, f"rank{trainer.global_rank}.json"), "w") as f:
+    json.dump(results, f)
+torch.distributed.barrier()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_accumulation_divides_the_loss_once(tmp_path: Path) -> None:
+    # Lightning's DeepSpeed integration divides by k twice (Lightning, then engine.backward): 1/k**2
+    run_script(ACCUMULATION_SCRIPT, tmp_path, timeout=280, args=[str(tmp_path)]).check()
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for label, k in (("trainer_k2", 2), ("engine_k4", 4)):
+            assert res[label]["gas"] == k
+            assert res[label]["batches"] == k  # one optimizer step consumed k micro-batches
+            for got, want in zip(res[label]["params"], res["expected"], strict=True):
+                assert got == pytest.approx(want, abs=1e-6), (label, got, want)

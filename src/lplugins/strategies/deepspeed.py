@@ -42,6 +42,7 @@ from lplugins.strategies.timeout import resolve_timeout
 
 if TYPE_CHECKING:
     import deepspeed
+    from torch import Tensor
     from torch.nn import Module
     from torch.optim import Optimizer
 
@@ -165,6 +166,20 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         )
         self.model = engine
 
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward through the engine, dividing the loss for accumulation once, not twice.
+
+        Lightning divides the loss by ``trainer.accumulate_grad_batches`` before the backward, and
+        DeepSpeed's ``engine.backward`` divides it again by its ``gradient_accumulation_steps``:
+        with Lightning's own ``DeepSpeedStrategy`` and ``accumulate_grad_batches=k`` the gradients
+        are ``1/k**2`` of what they should be. When Lightning has divided, the engine is told not to.
+        """
+        module = self.lightning_module
+        if module is not None and module.trainer.accumulate_grad_batches > 1:
+            kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     # ------------------------------------------------------------------ config
     @override
     def _format_batch_size_and_grad_accum_config(self) -> None:
@@ -222,7 +237,11 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         Call it at an accumulation boundary (e.g. in ``on_train_batch_start`` when
         ``trainer.fit_loop`` is at a step boundary). The engine's ``train_batch_size`` is updated
         to ``micro-batch x steps x world size``, and the Trainer's ``accumulate_grad_batches`` is
-        kept equal.
+        set to ``steps`` so that Lightning's loop steps at the same boundaries. The loss is divided
+        by ``steps`` once either way: by Lightning when ``trainer.accumulate_grad_batches > 1``
+        (the engine is then told not to), else by the engine (see :meth:`backward`); a callback
+        may set ``trainer.accumulate_grad_batches = 1`` afterwards and count windows itself, as
+        ``lplugins.accumulation.AccumulationScheduler`` does.
 
         Args:
             steps: The new number of micro-batches per optimizer step (>= 1).
