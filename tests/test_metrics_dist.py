@@ -89,7 +89,7 @@ if __name__ == "__main__":
     rank = trainer.global_rank
     torch.save(model.fed, f"fed_rank{rank}.pt")
     with open(f"values_rank{rank}.json", "w") as f:
-        json.dump({"metrics": cb.last_values, "throughput": tp.last_values,
+        json.dump({"metrics": cb.last_values, "throughput": tp.last_values, "counts": tp.last_counts,
                    "best": float(ckpt.best_model_score)}, f)
     log.info("fit ends")
 """
@@ -172,6 +172,9 @@ def test_two_rank_metrics_equal_single_process_reference_and_log_once(tmp_path: 
         torch.testing.assert_close(tokens, 16 * samples)
         torch.testing.assert_close(float(row["throughput/samples_per_sec_per_rank"]), samples / 2)
     assert values[0]["throughput"] == values[1]["throughput"]
+    counts = values[0]["counts"]  # the last window (batch 3 of epoch 1): 4 samples on rank 0, 1 on rank 1
+    assert (counts["samples"], counts["tokens"], counts["batches"], counts["world_size"]) == (5, 80, 1, 2)
+    assert counts == values[1]["counts"]
 
     # ---- log lines: the rank-zero logger's lines once each, from rank 0
     lines = res.stdout.splitlines()

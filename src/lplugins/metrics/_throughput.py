@@ -94,6 +94,9 @@ class ThroughputCallback(Callback):
         self.prefix = prefix
         #: The values of the last window (``name -> float``), on every rank.
         self.last_values: dict[str, float] = {}
+        #: What the last window counted, all ranks together: ``samples``, ``tokens``, ``batches`` (per
+        #: rank, the most), ``seconds`` (the slowest rank's), ``world_size``.
+        self.last_counts: dict[str, float] = {}
         self._start = 0.0
         self._samples = 0
         self._tokens = 0
@@ -151,6 +154,13 @@ class ThroughputCallback(Callback):
         if self.seq_len is not None or self.tokens_fn is not None:
             values[f"{self.prefix}tokens_per_sec"] = float(gathered[:, 1].sum()) / slowest
         self.last_values = values
+        self.last_counts = {
+            "samples": float(gathered[:, 0].sum()),
+            "tokens": float(gathered[:, 1].sum()),
+            "batches": float(gathered[:, 2].max()),
+            "seconds": slowest,
+            "world_size": float(world),
+        }
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)
