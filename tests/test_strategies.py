@@ -183,3 +183,27 @@ trainer.strategy.barrier()  # rank 0 must not exit (and end the job) before rank
         assert item["backend"] == "gloo"
         assert item["strategy_timeout_s"] == 77
         assert item["timeout_s"] == 77
+
+
+@needs_deepspeed
+def test_docs_examples_run(lplugins_manager: lplugins.PluginManager, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every ```python block of docs/strategies.md runs, in order, in one namespace.
+
+    (Blocks fenced as ```py need several processes or a plugin package and are shown, not run.)
+    """
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "strategies.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+    assert len(blocks) >= 5
+    namespace: dict[str, object] = {"__name__": "docs_strategies"}
+    for block in blocks:
+        exec(compile(block, "docs/strategies.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "Did you mean 'zero_optimization'?" in out
+    assert "enables 'bf16'" in out
+    assert "Recommended: DeepSpeed ZeRO-2 -> strategy='deepspeed_stage_2_cpu'" in out
+    assert "DeepSpeedStrategy zero2" in out
+    # the printed outputs shown on the page are the real ones
+    for line in ("DDP                             4+4+8=16", "DeepSpeed ZeRO-2                2+2+12=16"):
+        assert line in out and line in text
