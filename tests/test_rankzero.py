@@ -275,6 +275,8 @@ def test_guard_refuses_lightning_calls_in_a_single_process(env: _Env, tmp_path) 
             trainer.strategy.broadcast(1)
         with pytest.raises(CollectiveInRankZeroBlockError, match=r"BoringModel\.log\(\.\.\., sync_dist=True\)"):
             module.log("loss", 1.0, sync_dist=True)
+        with pytest.raises(CollectiveInRankZeroBlockError, match=r"BoringModel\.log\(\.\.\., sync_dist=True\)"):
+            module.log("loss", 1.0, False, None, None, None, "mean", False, True)  # sync_dist given by position
         with pytest.raises(CollectiveInRankZeroBlockError, match=r"log_dict\(\.\.\., sync_dist=True\)"):
             module.log_dict({"loss": 1.0}, sync_dist=True)
     assert trainer.log_dir == log_dir

@@ -15,6 +15,7 @@ a collective called by another thread outside any block goes through untouched.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 from collections.abc import Callable
@@ -146,9 +147,17 @@ def _wrap_function(original: Callable[..., Any], call: str, alternative: str, *,
 
 
 def _wrap_log(original: Callable[..., Any]) -> Any:
+    signature = inspect.signature(original)
+
+    def wants_sync(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        try:
+            return bool(signature.bind(self, *args, **kwargs).arguments.get("sync_dist"))
+        except TypeError:  # let the original report the bad call
+            return False
+
     @functools.wraps(original)
     def log(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_local, "depth", 0) and kwargs.get("sync_dist"):
+        if getattr(_local, "depth", 0) and wants_sync(self, args, kwargs):
             name = type(self).__name__
             raise _refuse(f"{name}.{original.__name__}(..., sync_dist=True)", _SYNC_DIST_ALTERNATIVE)
         return original(self, *args, **kwargs)
