@@ -207,3 +207,25 @@ def test_docs_examples_run(lplugins_manager: lplugins.PluginManager, capsys: pyt
     # the printed outputs shown on the page are the real ones
     for line in ("DDP                             4+4+8=16", "DeepSpeed ZeRO-2                2+2+12=16"):
         assert line in out and line in text
+
+
+@needs_deepspeed
+def test_lightning_cli_accepts_the_deepspeed_name(lplugins_manager: lplugins.PluginManager, tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lplugins.strategies.deepspeed import DeepSpeedStrategy
+
+    cli = LightningCLI(
+        BoringModel,
+        run=False,
+        args=[
+            "--trainer.strategy=deepspeed_stage_3_cpu",
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=false",
+        ],
+    )
+    assert type(cli.trainer.strategy) is DeepSpeedStrategy
+    assert cli.trainer.strategy.zero_stage_3
