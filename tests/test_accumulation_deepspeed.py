@@ -44,6 +44,9 @@ class EngineSteps(pl.Callback):
     def __init__(self):
         self.window, self.factors, self.last, self.gas = 0, [], 0, []
 
+    def on_train_start(self, trainer, *args):
+        self.last = trainer.strategy.deepspeed_engine.global_steps  # restored on resume
+
     def on_train_batch_start(self, trainer, *args):
         self.window += 1
         self.gas.append(trainer.strategy.deepspeed_engine.gradient_accumulation_steps())
@@ -55,15 +58,24 @@ class EngineSteps(pl.Callback):
             self.window, self.last = 0, steps
 
 
-# 2. the schedule drives the engine: its accumulation steps change at run time, at window starts
-probe = EngineSteps()
-trainer = pl.Trainer(**lplugins.compose(**trainer_kwargs(strategy="deepspeed_stage_2_cpu",
-                                                          accumulate_grad_batches=schedule, **common)))
-lplugins.attach(trainer, probe)
+# 2. the schedule drives the engine: its accumulation steps change at run time, at window starts;
+#    epoch 1 is trained after a resume from DeepSpeed's checkpoint of epoch 0
+result = {{"conflict": conflict, "unchanged": unchanged, "factors": [], "gas": []}}
 model = TinyModel(n=32)
-trainer.fit(model)
-result = {{"conflict": conflict, "unchanged": unchanged, "factors": probe.factors, "gas": probe.gas,
-           "global_step": trainer.global_step, "params": params(model).tolist()}}
+for epochs, ckpt in ((1, None), (2, "ds.ckpt")):
+    probe = EngineSteps()
+    trainer = pl.Trainer(**lplugins.compose(**trainer_kwargs(strategy="deepspeed_stage_2_cpu",
+                                                              accumulate_grad_batches=schedule,
+                                                              **{{**common, "max_epochs": epochs}})))
+    lplugins.attach(trainer, probe)
+    if ckpt:
+        model = TinyModel(n=32)  # a fresh model: the resume must restore everything
+    trainer.fit(model, ckpt_path=ckpt)
+    if not ckpt:
+        trainer.save_checkpoint("ds.ckpt")  # every rank: DeepSpeed writes its shard
+    result["factors"] += probe.factors
+    result["gas"] += probe.gas
+result.update(global_step=trainer.global_step, params=params(model).tolist())
 with open(f"ds_{{trainer.global_rank}}.json", "w") as f:
     json.dump(result, f)
 """
@@ -71,7 +83,7 @@ with open(f"ds_{{trainer.global_rank}}.json", "w") as f:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
-def test_deepspeed_engine_follows_the_schedule_and_user_config_conflict_is_refused(tmp_path: Path) -> None:
+def test_deepspeed_engine_follows_the_schedule_across_a_resume_and_config_conflict_is_refused(tmp_path: Path) -> None:
     run_script(SCRIPT, tmp_path, timeout=400).check()
     factors = [2, 2, 4, 4, 4]
     for rank in (0, 1):
