@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,7 @@ PRELUDE = next((b["code"] for b in BLOCKS if b["how"] == "prelude"), "")
 COUNTERPARTS = [b for b in BLOCKS if b["how"] != "prelude"]
 
 # One runner for every batch. argv: spec.json, output directory, label ("local", "ddp", "node0", "node1").
-RUNNER = r'''
+RUNNER = r"""
 import json, os, sys, traceback
 
 spec = json.load(open(sys.argv[1]))
@@ -88,7 +90,7 @@ for block in spec["blocks"]:
             os.environ.update(base_env)
     with open(os.path.join(out_dir, f"results-{rank()}.json"), "w") as f:
         json.dump(results, f)
-'''
+"""
 
 # Starts the runner twice, as two nodes, and waits for both.
 NODES_DRIVER = r"""
@@ -130,11 +132,21 @@ def _node_env(how: str, node: int, port: int) -> dict[str, str]:
 
 
 class _Batches:
-    """Runs each batch of blocks once, on first use; keeps what every process reported."""
+    """Runs each batch of blocks once; keeps what every process reported.
 
-    def __init__(self, base: Path) -> None:
+    The batches the selected tests need are started together, in threads (each is a subprocess
+    waiting on its children), and each test waits for its own batch.
+    """
+
+    def __init__(self, base: Path, keys: set[str]) -> None:
         self.base = base
-        self.done: dict[str, tuple[dict[str, dict[str, str]], str]] = {}
+        self.pool = ThreadPoolExecutor(max_workers=max(len(keys), 1))
+        self.futures = {key: self.pool.submit(self._run, key) for key in sorted(keys)}
+
+    def run(self, key: str) -> tuple[dict[str, dict[str, str]], str]:
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(self._run, key)
+        return self.futures[key].result()
 
     def _spec(self, directory: Path, blocks: list[dict[str, Any]]) -> tuple[Path, Path]:
         directory.mkdir(parents=True, exist_ok=True)
@@ -147,10 +159,9 @@ class _Batches:
     def _collect(self, directory: Path) -> dict[str, dict[str, str]]:
         return {p.stem.split("-", 1)[1]: json.loads(p.read_text()) for p in directory.glob("results-*.json")}
 
-    def run(self, key: str) -> tuple[dict[str, dict[str, str]], str]:
-        if key in self.done:
-            return self.done[key]
+    def _run(self, key: str) -> tuple[dict[str, dict[str, str]], str]:
         directory = self.base / key.replace(":", "-")
+        blocks: list[dict[str, Any]]
         if key == "local":
             blocks = [b for b in COUNTERPARTS if b["how"] in ("cpu", "composed")]
             runner, spec = self._spec(directory, blocks)
@@ -175,15 +186,20 @@ class _Batches:
             directory.mkdir(parents=True, exist_ok=True)
             res = run_script(PRELUDE + "\n" + block["code"], directory, timeout=240, name="train.py")
             status = "ok" if res.returncode == 0 else f"exit {res.returncode}"
-            self.done[key] = ({"0": {key: status}}, res.stdout[-1000:] + res.stderr[-3000:])
-            return self.done[key]
-        self.done[key] = (self._collect(directory), res.stdout[-1000:] + res.stderr[-3000:])
-        return self.done[key]
+            return {"0": {key: status}}, res.stdout[-1000:] + res.stderr[-3000:]
+        return self._collect(directory), res.stdout[-1000:] + res.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
-def batches(tmp_path_factory: pytest.TempPathFactory) -> _Batches:
-    return _Batches(tmp_path_factory.mktemp("guide"))
+def batches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Batches]:
+    selected = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and item.path == Path(__file__) and "block" in callspec.params:
+            selected.append(callspec.params["block"])
+    runs = _Batches(tmp_path_factory.mktemp("guide"), {_batch_key(b) for b in selected})
+    yield runs
+    runs.pool.shutdown(wait=True)
 
 
 EXPECTED_PROCESSES = {"cpu": ["local"], "composed": ["local"], "ddp": ["0", "1"], "spawn": ["0"]}
@@ -235,9 +251,7 @@ def test_page_follows_its_convention() -> None:
         title = section.splitlines()[0]
         if title in ("How the counterparts are checked", "The rest of the guide"):
             continue
-        assert MARKER.search("\n" + section.split("\n", 1)[1]) or "<!-- counterpart:" in section, (
-            f"section {title!r} has no executed counterpart"
-        )
+        assert MARKER.search(section), f"section {title!r} has no executed counterpart"
 
 
 def test_page_links_only_to_docs_pages() -> None:
