@@ -338,3 +338,19 @@ def test_slurm_requeue_calls_scontrol_for_the_job(tmp_path: Path, monkeypatch: p
         env.setenv("SLURM_ARRAY_TASK_ID", "3")
         _slurm_requeue()
         assert (tmp_path / "called").read_text().split() == ["requeue", "77_3"]
+
+
+def test_fresh_run_in_a_used_directory_is_newer_and_never_reuses_a_name(tmp_path: Path) -> None:
+    fit(DurableCheckpoint(tmp_path, every_n_steps=3, keep_last=None), max_steps=6)
+    assert steps(tmp_path) == [3, 6]
+    # a new run from scratch (no resume) into the same directory
+    fit(DurableCheckpoint(tmp_path, every_n_steps=3, keep_last=2), max_steps=6)
+    # its checkpoints are the newest (commit order), the old ones went first, and no name was reused
+    assert names(tmp_path) == ["step=000000003-epoch=0000-v1.ckpt", "step=000000006-epoch=0001-v1.ckpt"]
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "step=000000006-epoch=0001-v1.ckpt")
+
+
+def test_resume_does_not_save_the_loaded_state_again(tmp_path: Path) -> None:
+    fit(DurableCheckpoint(tmp_path, every_n_steps=4, keep_last=None), max_steps=4)
+    fit(DurableCheckpoint(tmp_path, every_n_steps=4, keep_last=None), max_steps=4, ckpt_path="latest")
+    assert names(tmp_path) == ["step=000000004-epoch=0000.ckpt"]

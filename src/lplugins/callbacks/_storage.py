@@ -32,12 +32,16 @@ from typing import IO, Any
 COMMIT_SUFFIX = ".commit"
 TMP_PREFIX = ".tmp."
 FORMAT_VERSION = 1
-NAME_RE = re.compile(r"^step=(\d+)-epoch=(\d+)\.ckpt$")
+NAME_RE = re.compile(r"^step=(\d+)-epoch=(\d+)(-v\d+)?\.ckpt$")
 
 
-def checkpoint_name(global_step: int, epoch: int) -> str:
-    """The name of the checkpoint taken after ``global_step`` optimizer steps in ``epoch``."""
-    return f"step={global_step:09d}-epoch={epoch:04d}.ckpt"
+def checkpoint_name(global_step: int, epoch: int, version: int = 0) -> str:
+    """The name of the checkpoint taken after ``global_step`` optimizer steps in ``epoch``.
+
+    ``version`` > 0 adds ``-vN``: a name that a checkpoint of another run holds already is never reused.
+    """
+    suffix = f"-v{version}" if version else ""
+    return f"step={global_step:09d}-epoch={epoch:04d}{suffix}.ckpt"
 
 
 def is_remote(path: str) -> bool:
@@ -64,6 +68,8 @@ class Record:
         monitor: The monitored metric's name, if any.
         metric: Its value when the checkpoint was taken, if it was logged.
         reason: What triggered the save (``"step"``, ``"epoch"``, ``"time"``, ``"request"``, ...).
+        seq: Commit sequence number in this directory (1, 2, ...): "newest" means the highest, whatever
+            the step numbers and clocks say (a fresh run in a used directory is newer than the old run).
     """
 
     name: str
@@ -76,6 +82,7 @@ class Record:
     monitor: str | None = None
     metric: float | None = None
     reason: str = ""
+    seq: int = 0
     format: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
@@ -309,9 +316,9 @@ class Storage:
             yield record, entry
 
     def find_committed(self, deep: bool = False) -> list[Record]:
-        """Committed checkpoints whose data matches their marker, oldest first."""
+        """Committed checkpoints whose data matches their marker, oldest (lowest ``seq``) first."""
         out = [r for r, _ in self.records() if r is not None and self.check(r, deep=deep) is None]
-        out.sort(key=lambda r: (r.global_step, r.time))
+        out.sort(key=order)
         return out
 
     def clean_leftovers(self) -> list[str]:
@@ -353,6 +360,11 @@ class Storage:
                     os.fsync(f.fileno())
         finally:
             self.remove(name)
+
+
+def order(record: Record) -> tuple[int, int, float]:
+    """Sort key: commit order."""
+    return (record.seq, record.global_step, record.time)
 
 
 def write_bytes(target: Any, data: bytes) -> None:

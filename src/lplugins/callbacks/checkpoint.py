@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lplugins.callbacks._async import BufferPool, Writer, snapshot
 from lplugins.callbacks._resume import LATEST, NoCheckpoint, SafeResumeIO, latest_checkpoint
-from lplugins.callbacks._storage import TMP_PREFIX, Record, Storage, checkpoint_name, now
+from lplugins.callbacks._storage import COMMIT_SUFFIX, TMP_PREFIX, Record, Storage, checkpoint_name, now, order
 
 log = logging.getLogger("lplugins")
 
@@ -138,7 +138,7 @@ class DurableCheckpoint(Checkpoint):
         ):
             raise ValueError(f"preemption_exit_code must be an int in 0..255 or None, got {preemption_exit_code!r}")
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
-        self._dirpath_arg = self.dirpath
+        self._state_key = self._generate_state_key(dirpath=self.dirpath)
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.every_n_epochs = every_n_epochs
@@ -160,6 +160,7 @@ class DurableCheckpoint(Checkpoint):
         self.save_stalls: list[float] = []
         self._storage: Storage | None = None
         self._records: list[Record] = []
+        self._seq = 0
         self._lock = threading.Lock()
         self._writer: Writer | None = None
         self._pool: BufferPool | None = None
@@ -170,6 +171,7 @@ class DurableCheckpoint(Checkpoint):
         self._previous_handlers: dict[int, _HANDLER] = {}
         self._boundary_step = -1
         self._last_saved_step = -1
+        self._saving_step = -1
         self._last_save_time = 0.0
         self._io: SafeResumeIO | None = None
         self._rng_states: list[dict[str, Any]] | None = None
@@ -178,7 +180,7 @@ class DurableCheckpoint(Checkpoint):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(dirpath=self._dirpath_arg)
+        return self._state_key
 
     @property
     def committed(self) -> list[str]:
@@ -225,6 +227,7 @@ class DurableCheckpoint(Checkpoint):
                 rank_zero_info(f"DurableCheckpoint: removed {len(removed)} uncommitted leftover(s) in {dirpath}")
             with self._lock:
                 self._records = storage.find_committed()
+                self._seq = max((r.seq for r in self._records), default=0)
         trainer.strategy.barrier("DurableCheckpoint.setup")
         self._writes_itself = _writes_itself(trainer)
         if self.async_save and not self._writes_itself:
@@ -318,12 +321,15 @@ class DurableCheckpoint(Checkpoint):
     @override
     def state_dict(self) -> dict[str, Any]:
         rng = self._rng_states if self._rng_states is not None else [_get_rng()]
-        return {"version": 1, "rng": rng, "boundary_step": self._boundary_step}
+        return {"version": 1, "rng": rng, "boundary_step": self._saving_step}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Restored right away: the next user of the generators (a shuffling sampler's ``iter``, dropout)
         # then sees the state the interrupted run had when it saved.
+        loaded_step = state_dict.get("boundary_step")
+        if isinstance(loaded_step, int):
+            self._last_saved_step = loaded_step  # this state is on disk already: do not save it again
         states = state_dict.get("rng")
         if not states:
             return
@@ -341,11 +347,9 @@ class DurableCheckpoint(Checkpoint):
     def _save(self, trainer: Trainer, reason: str) -> None:
         assert self._storage is not None, "DurableCheckpoint.setup() did not run"
         step, epoch = trainer.global_step, trainer.current_epoch
-        name = checkpoint_name(step, epoch)
-        with self._lock:
-            known = {r.name for r in self._records}
-        if step == self._last_saved_step or name in _broadcast(trainer, known):
-            return  # every rank agrees: this state is saved already
+        if step == self._last_saved_step:
+            return  # every rank agrees: this state is saved already (or was loaded from a checkpoint)
+        name = _broadcast(trainer, self._free_name(step, epoch) if trainer.is_global_zero else None)
         self._last_saved_step = step
         self._last_save_time = time.monotonic()
         start = time.perf_counter()
@@ -354,10 +358,12 @@ class DurableCheckpoint(Checkpoint):
             metric=self._metric(trainer), reason=reason,
         )  # fmt: skip
         self._rng_states = _gather(trainer, _get_rng())
+        self._saving_step = step
         try:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             self._rng_states = None
+            self._saving_step = -1
         if self._writes_itself and self._async_active:
             # errors of the background write surface at the next step boundary, on every rank
             if self._writer is not None and self._pool is not None:
@@ -386,6 +392,20 @@ class DurableCheckpoint(Checkpoint):
             self._save_through_strategy(trainer, checkpoint, record)
         self.save_stalls.append(time.perf_counter() - start)
 
+    def _free_name(self, step: int, epoch: int) -> str:
+        """A checkpoint name for this state that nothing in the directory uses (rank 0)."""
+        assert self._storage is not None
+        entries = set(self._storage.listdir())
+        version = 0
+        while (name := checkpoint_name(step, epoch, version)) in entries or name + COMMIT_SUFFIX in entries:
+            version += 1
+        return name
+
+    def _next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
     def _write_file(self, record: Record, checkpoint: dict[str, Any]) -> None:
         storage = self._storage
         assert storage is not None
@@ -393,7 +413,7 @@ class DurableCheckpoint(Checkpoint):
         try:
             storage.write_durable(record.name, lambda target: torch.save(checkpoint, target))
             record.size = storage.size(record.name)
-            record.time = now()
+            record.time, record.seq = now(), self._next_seq()
             storage.commit(record)
         except Exception as err:  # OSError, or torch's RuntimeError from a failed stream write
             storage.remove(record.name)  # the rename happened but the marker did not: leftover, not visible
@@ -418,7 +438,7 @@ class DurableCheckpoint(Checkpoint):
                 else:
                     record.size = storage.size(tmp)
                 storage.rename(tmp, record.name)
-                record.time = now()
+                record.time, record.seq = now(), self._next_seq()
                 storage.commit(record)
             except Exception as err:
                 storage.remove(tmp)
@@ -434,7 +454,7 @@ class DurableCheckpoint(Checkpoint):
         assert storage is not None
         with self._lock:
             self._records.append(record)
-            self._records.sort(key=lambda r: (r.global_step, r.time))
+            self._records.sort(key=order)
             keep = self._to_keep(self._records)
             doomed = [r for r in self._records if r.name not in keep]
             self._records = [r for r in self._records if r.name in keep]
