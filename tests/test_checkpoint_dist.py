@@ -61,7 +61,21 @@ def test_ddp_all_ranks_save_each_file_once_and_rank_zero_requests(tmp_path: Path
 cb = DurableCheckpoint("ckpts", every_n_steps=4, keep_last=None)
 t = trainer(cb, max_steps=8)
 t.fit(M(), loader())
-dump(t, committed=[os.path.basename(p) for p in cb.committed])
+committed = [os.path.basename(p) for p in cb.committed]
+renames = list(RANK_LOG)
+
+class PerRankDir(DurableCheckpoint):  # a directory that is not shared: rank 1 sees an empty one
+    def setup(self, trainer, pl_module, stage):
+        self.dirpath = "ckpts" if trainer.global_rank == 0 else "ckpts_rank1"
+        super().setup(trainer, pl_module, stage)
+
+try:
+    trainer(PerRankDir(), max_steps=10).fit(M(), loader(), ckpt_path="latest")
+    disagreement = "no error"
+except RuntimeError as err:
+    disagreement = str(err)
+RANK_LOG[:] = renames
+dump(t, committed=committed, disagreement=disagreement)
 """
     )
     run_script(source, tmp_path).check()
@@ -73,6 +87,10 @@ dump(t, committed=[os.path.basename(p) for p in cb.committed])
     assert rank1["renames"] == []  # rank 1 took part in every save but wrote no file
     assert sorted(rank0["renames"]) == sorted(expected + [n + ".commit" for n in expected])  # each once
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == sorted(rank0["renames"])
+    # ranks that resolve different checkpoints all fail, naming each rank's answer, instead of diverging
+    for res in (rank0, rank1):
+        assert "Ranks resolved different checkpoints" in res["disagreement"]
+        assert "rank 1: None" in res["disagreement"]
 
 
 @pytest.mark.timeout(180)
