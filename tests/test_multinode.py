@@ -35,54 +35,25 @@ import json, os, sys
 import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
-from lightning.fabric.plugins.environments import ClusterEnvironment
 import lplugins
+from lplugins.strategies.environments import VariablesEnvironment
 
 OUT, MODE, NODE = sys.argv[1], sys.argv[2], int(sys.argv[3])
-
-
-class AcmeEnvironment(ClusterEnvironment):
-    # a scheduler Lightning does not know: one process per node, started by the scheduler
-    @property
-    def creates_processes_externally(self):
-        return True
-
-    @property
-    def main_address(self):
-        return os.environ["ACME_HEAD"]
-
-    @property
-    def main_port(self):
-        return int(os.environ["ACME_PORT"])
-
-    @staticmethod
-    def detect():
-        return "ACME_NODE_INDEX" in os.environ
-
-    def world_size(self):
-        return int(os.environ["ACME_NUM_NODES"])
-
-    def set_world_size(self, size):
-        pass
-
-    def global_rank(self):
-        return int(os.environ["ACME_NODE_INDEX"])
-
-    def set_global_rank(self, rank):
-        pass
-
-    def local_rank(self):
-        return 0
-
-    def node_rank(self):
-        return int(os.environ["ACME_NODE_INDEX"])
 
 
 class AcmePlugin:
     @staticmethod
     @lplugins.hookimpl
     def lplugins_register_cluster_environments(register):
-        register("acme", AcmeEnvironment, description="Acme scheduler", detect=AcmeEnvironment.detect)
+        # a scheduler Lightning does not know, with its own variables; it starts one process per node
+        register(
+            "acme",
+            VariablesEnvironment,
+            description="Acme scheduler",
+            defaults={"main_address": "ACME_HEAD", "main_port": "ACME_PORT", "node_rank": "ACME_NODE_INDEX",
+                      "creates_processes_externally": True},
+            detect=lambda: "ACME_NODE_INDEX" in os.environ,
+        )
 
 
 class Model(pl.LightningModule):
@@ -159,7 +130,7 @@ def test_two_nodes_through_an_lplugins_strategy(tmp_path: Path) -> None:
 def test_two_nodes_through_a_plugin_cluster_environment(tmp_path: Path) -> None:
     results = _run(tmp_path, "acme")
     for node, res in enumerate(results):
-        assert res["environment"] == "AcmeEnvironment"  # node 0 by name, node 1 detected
+        assert res["environment"] == "VariablesEnvironment"  # node 0 by name, node 1 detected
         assert res["node_rank"] == node and res["global_rank"] == node
         assert res["world_size"] == 2 and res["num_nodes"] == 2
         assert res["strategy"] == "lplugins.strategies.ddp"

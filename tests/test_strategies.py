@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch  # noqa: F401  (imported first: it sets environment variables on import)
 import pytest
@@ -229,3 +231,65 @@ def test_lightning_cli_accepts_the_deepspeed_name(lplugins_manager: lplugins.Plu
     )
     assert type(cli.trainer.strategy) is DeepSpeedStrategy
     assert cli.trainer.strategy.zero_stage_3
+
+
+# ---------------------------------------------------------------------- cluster environments
+def test_variables_environment() -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone before the leak check
+        from lplugins.strategies.environments import VariablesEnvironment
+
+        env = VariablesEnvironment(main_address="ACME_HEAD", main_port="ACME_PORT", node_rank="ACME_NODE")
+        with pytest.raises(lplugins.LPluginsError, match=r"needs the environment variable ACME_HEAD \(main_address\)"):
+            _ = env.main_address
+        monkeypatch.setenv("ACME_HEAD", "10.0.0.1")
+        monkeypatch.setenv("ACME_PORT", "port")
+        monkeypatch.setenv("ACME_NODE", "3")
+        assert env.main_address == "10.0.0.1"
+        with pytest.raises(lplugins.LPluginsError, match=r"ACME_PORT='port' \(main_port\) is not an integer"):
+            _ = env.main_port
+        monkeypatch.setenv("ACME_PORT", "29500")
+        assert env.main_port == 29500 and env.node_rank() == 3
+        assert not env.creates_processes_externally and not VariablesEnvironment.detect()
+        env.set_world_size(8)
+        env.set_global_rank(6)
+        assert (env.world_size(), env.global_rank(), env.local_rank()) == (8, 6, 0)
+        full = VariablesEnvironment(
+            main_address="ACME_HEAD",
+            main_port="ACME_PORT",
+            node_rank="ACME_NODE",
+            world_size="ACME_WORLD",
+            global_rank="ACME_RANK",
+            local_rank="ACME_LOCAL",
+            creates_processes_externally=True,
+        )
+        monkeypatch.setenv("ACME_WORLD", "16")
+        monkeypatch.setenv("ACME_RANK", "13")
+        monkeypatch.setenv("ACME_LOCAL", "1")
+        full.set_world_size(2)  # the variables win over what the strategy computes
+        assert (full.world_size(), full.global_rank(), full.local_rank()) == (16, 13, 1)
+
+
+def test_registered_environment_resolves_by_name_and_detect(
+    lplugins_manager: lplugins.PluginManager, lplugins_register: Any
+) -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone before the leak check
+        from lplugins.strategies.environments import VariablesEnvironment
+
+        class AcmePlugin:
+            @staticmethod
+            @lplugins.hookimpl
+            def lplugins_register_cluster_environments(register: Any) -> None:
+                register(
+                    "acme",
+                    VariablesEnvironment,
+                    defaults={"main_address": "ACME_HEAD", "main_port": "ACME_PORT", "node_rank": "ACME_NODE"},
+                    detect=lambda: "ACME_NODE" in os.environ,
+                )
+
+        lplugins_register(AcmePlugin, "acme-plugin")
+        by_name = lplugins.compose(plugins=["acme"], accelerator="cpu")["plugins"]
+        assert [type(p) for p in by_name] == [VariablesEnvironment]
+        assert "plugins" not in lplugins.compose(accelerator="cpu")  # not detected: the variable is not set
+        monkeypatch.setenv("ACME_NODE", "0")
+        detected = lplugins.compose(accelerator="cpu")["plugins"]
+        assert [type(p) for p in detected] == [VariablesEnvironment]

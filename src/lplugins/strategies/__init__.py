@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from lplugins.strategies.advisor import Advice, AdvisorError, advise
     from lplugins.strategies.ddp import DDPStrategy
     from lplugins.strategies.deepspeed import DeepSpeedStrategy
+    from lplugins.strategies.environments import VariablesEnvironment
     from lplugins.strategies.timeout import DEFAULT_PG_TIMEOUT, resolve_timeout
 
 _LAZY = {
@@ -25,6 +26,7 @@ _LAZY = {
     "advise": "lplugins.strategies.advisor",
     "DEFAULT_PG_TIMEOUT": "lplugins.strategies.timeout",
     "resolve_timeout": "lplugins.strategies.timeout",
+    "VariablesEnvironment": "lplugins.strategies.environments",
 }
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "DDPStrategy",
     "DeepSpeedConfigError",
     "DeepSpeedStrategy",
+    "VariablesEnvironment",
     "advise",
     "resolve_timeout",
 ]
