@@ -90,6 +90,7 @@ def steps(d: Path) -> list[int]:
         ({"verify": "crc"}, "verify"),
         ({"preemption_signals": ["SIGNOPE"]}, "preemption_signals"),
         ({"preemption_exit_code": 300}, "preemption_exit_code"),
+        ({"crc32": False, "verify": "deep"}, "crc32"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], argument: str) -> None:
@@ -354,3 +355,22 @@ def test_resume_does_not_save_the_loaded_state_again(tmp_path: Path) -> None:
     fit(DurableCheckpoint(tmp_path, every_n_steps=4, keep_last=None), max_steps=4)
     fit(DurableCheckpoint(tmp_path, every_n_steps=4, keep_last=None), max_steps=4, ckpt_path="latest")
     assert names(tmp_path) == ["step=000000004-epoch=0000.ckpt"]
+
+
+def test_deep_verify_falls_back_past_a_flipped_byte(tmp_path: Path) -> None:
+    fit(DurableCheckpoint(tmp_path, every_n_steps=1, keep_last=None), max_steps=2)
+    newest = tmp_path / "step=000000002-epoch=0000.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, archive directory intact: only the CRC notices
+    newest.write_bytes(bytes(data))
+    assert latest_checkpoint(tmp_path) == str(newest)
+    assert latest_checkpoint(tmp_path, deep=True) == str(tmp_path / "step=000000001-epoch=0000.ckpt")
+    cb = DurableCheckpoint(tmp_path, every_n_steps=100, save_on_train_end=False, verify="deep")
+    assert fit(cb, max_steps=3, ckpt_path="latest").steps_run == 2
+
+
+def test_without_crc32_saves_resume_the_same(tmp_path: Path) -> None:
+    full = fit(DurableCheckpoint(tmp_path / "a", every_n_epochs=1, crc32=False), max_epochs=2).losses
+    first = fit(DurableCheckpoint(tmp_path / "b", every_n_epochs=1, crc32=False), max_epochs=1).losses
+    rest = fit(DurableCheckpoint(tmp_path / "b", every_n_epochs=1, crc32=False), max_epochs=2, ckpt_path="latest")
+    assert first + rest.losses == full

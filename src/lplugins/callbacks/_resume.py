@@ -80,10 +80,12 @@ class SafeResumeIO(CheckpointIO):
         inner: The strategy's original ``CheckpointIO``.
         dirpath: The checkpoint directory ``"latest"`` refers to.
         agree: Called with this rank's resolved path on every rank; raises unless all ranks agree.
+        deep: Check every byte's CRC of the candidates for ``"latest"``.
     """
 
-    def __init__(self, inner: CheckpointIO, dirpath: str, agree: Any) -> None:
+    def __init__(self, inner: CheckpointIO, dirpath: str, agree: Any, deep: bool = False) -> None:
         self.inner = inner
+        self.deep = deep
         self.dirpath = dirpath
         self._agree = agree
         self.resolved: str | None = None
@@ -101,7 +103,7 @@ class SafeResumeIO(CheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         if isinstance(path, str) and path == LATEST:
-            resolved = latest_checkpoint(self.dirpath)
+            resolved = latest_checkpoint(self.dirpath, deep=self.deep)
             self._agree(resolved)
             self.resolved = resolved
             if resolved is None:
