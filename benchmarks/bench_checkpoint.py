@@ -2,7 +2,8 @@
 
 Measures, as ratios:
 
-* durable sync save time (default, and with ``crc32=False``) vs stock ``trainer.save_checkpoint`` (what ``ModelCheckpoint`` calls) on the
+* durable sync save time (default, and with ``crc32=False``) vs stock ``trainer.save_checkpoint`` (what
+  ``ModelCheckpoint`` calls) on the
   same model and trainer (goal <= 1.1x);
 * durable sync save bandwidth vs the disk's fsync write bandwidth from ``dd ... conv=fsync`` of the
   same number of bytes in the same directory (goal >= 0.9x);
