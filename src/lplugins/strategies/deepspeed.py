@@ -66,7 +66,8 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         **kwargs: Passed to Lightning's ``DeepSpeedStrategy``.
 
     Raises:
-        DeepSpeedConfigError: the config is invalid (unknown key, bad value).
+        DeepSpeedConfigError: the config is invalid (unknown key, bad value, unreadable file).
+        LPluginsError: the timeout is not a positive number of seconds.
 
     The DeepSpeed engine is ``strategy.deepspeed_engine`` once the Trainer has set up; use
     :meth:`set_gradient_accumulation_steps` to change accumulation during training.
