@@ -177,13 +177,16 @@ class Storage:
             return self._fs.open(self.path(name), "wb")
         return open(self.path(name), "xb")  # "x": never overwrite anything in place
 
-    def write_durable(self, name: str, write: Callable[[Any], None]) -> None:
+    def write_durable(self, name: str, write: Callable[[Any], None], sync_dir: bool = True) -> None:
         """Write ``name`` atomically: write to a temporary name, flush, ``fsync``, rename, ``fsync`` the directory.
 
         Args:
             name: The final entry name.
             write: Called with the temporary file's path (local) or an open binary file (remote); it
                 writes the whole contents (``torch.save`` accepts either).
+            sync_dir: ``fsync`` the directory after the rename. The data of a checkpoint skips it: the
+                commit marker's directory ``fsync`` persists both renames, and a marker whose data did
+                not survive a crash is invisible (the data check fails) and cleaned up.
 
         Raises:
             FileExistsError: ``name`` exists already (a finished file is never overwritten).
@@ -199,12 +202,12 @@ class Storage:
             else:
                 write(self.path(tmp))
                 _fsync_path(self.path(tmp))
-            self.rename(tmp, name)
+            self.rename(tmp, name, sync_dir=sync_dir)
         except BaseException:
             self.remove(tmp)
             raise
 
-    def rename(self, src: str, dst: str) -> None:
+    def rename(self, src: str, dst: str, sync_dir: bool = True) -> None:
         """Rename entry ``src`` to ``dst`` (atomic locally; copy+delete on most object stores) and persist it."""
         if self.remote:
             self._fs.mv(self.path(src), self.path(dst), recursive=True)
@@ -212,7 +215,8 @@ class Storage:
         if os.path.lexists(self.path(dst)):
             raise FileExistsError(f"{self.path(dst)} exists already; a committed checkpoint is never overwritten")
         os.rename(self.path(src), self.path(dst))
-        self.fsync_dir()
+        if sync_dir:
+            self.fsync_dir()
 
     def remove(self, name: str) -> None:
         """Remove entry ``name`` (file or directory); missing entries are ignored."""
@@ -262,9 +266,12 @@ class Storage:
         self.write_durable(record.name + COMMIT_SUFFIX, lambda target: write_bytes(target, record.to_json()))
 
     def delete(self, name: str) -> None:
-        """Delete a committed checkpoint: the marker first (it stops being visible), then the data."""
+        """Delete a committed checkpoint: the marker first (it stops being visible), then the data.
+
+        One directory ``fsync`` at the end: if a crash persists the data's removal but not the marker's,
+        the marker's data check fails, so it is invisible and cleaned up at the next start.
+        """
         self.remove(name + COMMIT_SUFFIX)
-        self.fsync_dir()
         self.remove(name)
         self.fsync_dir()
 

@@ -420,7 +420,9 @@ class DurableCheckpoint(Checkpoint):
         assert storage is not None
         path = storage.path(record.name)
         try:
-            storage.write_durable(record.name, lambda target: _torch_save(checkpoint, target, self.crc32))
+            storage.write_durable(
+                record.name, lambda target: _torch_save(checkpoint, target, self.crc32), sync_dir=False
+            )
             record.size = storage.size(record.name)
             record.time, record.seq = now(), self._next_seq()
             storage.commit(record)
@@ -446,7 +448,7 @@ class DurableCheckpoint(Checkpoint):
                     record.kind, record.files = "dir", storage.tree_sizes(tmp)
                 else:
                     record.size = storage.size(tmp)
-                storage.rename(tmp, record.name)
+                storage.rename(tmp, record.name, sync_dir=False)
                 record.time, record.seq = now(), self._next_seq()
                 storage.commit(record)
             except Exception as err:
