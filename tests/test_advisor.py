@@ -242,3 +242,25 @@ def test_cli_advise(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_advise_impossible() -> None:
     with pytest.raises(AdvisorError, match="No strategy fits"):
         _cli(["advise", "1T", "--device-memory-gib", "80", "--devices-per-node", "8", "--host-memory-gib", "512"])
+
+
+def test_advised_fsdp_gets_the_timeout(lplugins_manager: lplugins.PluginManager) -> None:
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.MonkeyPatch.context() as mp:  # undone before the leak check
+        mp.setenv("LPLUGINS_PG_TIMEOUT", "600")
+        spec = {"name": "advised", "num_parameters": "30B", "accelerator": "cuda", **SEED_HW}
+        spec.pop("precision")
+        strategy = lplugins.compose(strategy=spec, precision="bf16-mixed")["strategy"]
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.lplugins_advice.key == "fsdp"
+    assert strategy._timeout == timedelta(minutes=10)
+
+
+def test_advised_without_a_size_says_how(lplugins_manager: lplugins.PluginManager) -> None:
+    from lightning.pytorch import Trainer
+
+    with pytest.raises(AdvisorError, match=r"needs the model size.*'num_parameters': 7e9"):
+        Trainer(strategy="advised", accelerator="cpu", devices=1, logger=False)

@@ -488,6 +488,11 @@ def advised_strategy(
     Raises:
         AdvisorError: as :func:`advise`.
     """
+    if num_parameters is None and model is None:
+        raise AdvisorError(
+            "The 'advised' strategy needs the model size: pass "
+            "strategy={'name': 'advised', 'num_parameters': 7e9} (or 'model': module) to lplugins.compose()."
+        )
     tk = dict(trainer_kwargs or {})
     if accelerator is None:
         accelerator = str(tk.get("accelerator") or "auto")
