@@ -438,12 +438,13 @@ class DurableCheckpoint(Checkpoint):
         error: BaseException | None = None
         try:
             trainer.strategy.save_checkpoint(checkpoint, storage.path(tmp))
-        except BaseException as err:
-            error = err
+            if storage.exists(tmp):
+                storage.fsync_tree(tmp)  # every rank syncs what it wrote (its shards, on a shared filesystem)
+        except Exception as err:
+            error = self._write_error(storage.path(record.name), err)
         self._agree_or_raise(trainer, error, record, cleanup=tmp)
         if trainer.is_global_zero:
             try:
-                storage.fsync_tree(tmp)
                 if storage.isdir(tmp):
                     record.kind, record.files = "dir", storage.tree_sizes(tmp)
                 else:
