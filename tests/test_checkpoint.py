@@ -34,6 +34,7 @@ class TinyModel(LightningModule):
         self.drop = nn.Dropout(0.5)
         self.losses: list[float] = []
         self.steps_run = 0
+        self.resumed_from: str | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -62,6 +63,7 @@ def fit(cb: Callback, *, ckpt_path: str | None = None, extra: list[Callback] | N
         enable_model_summary=False, **kw,
     )  # fmt: skip
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    model.resumed_from = trainer.ckpt_path  # what ckpt_path="latest" resolved to
     return model
 
 
@@ -178,6 +180,7 @@ def test_leftovers_are_invisible_and_cleaned_at_next_start(tmp_path: Path) -> No
         DurableCheckpoint(tmp_path, every_n_steps=100, save_on_train_end=False), max_steps=5, ckpt_path="latest"
     )
     assert model.steps_run == 1  # resumed at step 4, past the truncated step-7 one
+    assert model.resumed_from == str(newest)
     assert names(tmp_path) == ["step=000000002-epoch=0000.ckpt", "step=000000004-epoch=0000.ckpt"]
 
 
@@ -185,6 +188,7 @@ def test_latest_with_no_checkpoint_starts_fresh(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path / "missing") is None
     model = fit(DurableCheckpoint(tmp_path, every_n_steps=100), max_steps=2, ckpt_path="latest")
     assert model.steps_run == 2
+    assert model.resumed_from is None
     assert steps(tmp_path) == [2]
 
 

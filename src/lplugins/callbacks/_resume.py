@@ -81,11 +81,15 @@ class SafeResumeIO(CheckpointIO):
         dirpath: The checkpoint directory ``"latest"`` refers to.
         agree: Called with this rank's resolved path on every rank; raises unless all ranks agree.
         deep: Check every byte's CRC of the candidates for ``"latest"``.
+        on_resolved: Called with what ``"latest"`` resolved to (the path, or None).
     """
 
-    def __init__(self, inner: CheckpointIO, dirpath: str, agree: Any, deep: bool = False) -> None:
+    def __init__(
+        self, inner: CheckpointIO, dirpath: str, agree: Any, deep: bool = False, on_resolved: Any = None
+    ) -> None:
         self.inner = inner
         self.deep = deep
+        self.on_resolved = on_resolved
         self.dirpath = dirpath
         self._agree = agree
         self.resolved: str | None = None
@@ -106,6 +110,8 @@ class SafeResumeIO(CheckpointIO):
             resolved = latest_checkpoint(self.dirpath, deep=self.deep)
             self._agree(resolved)
             self.resolved = resolved
+            if self.on_resolved is not None:
+                self.on_resolved(resolved)
             if resolved is None:
                 import lightning
 

@@ -210,7 +210,11 @@ class DurableCheckpoint(Checkpoint):
         inner = trainer.strategy.checkpoint_io
         if not isinstance(inner, SafeResumeIO):
             self._io = SafeResumeIO(
-                inner, dirpath, lambda path: _agree_on_path(trainer, path), deep=self.verify == "deep"
+                inner,
+                dirpath,
+                lambda path: _agree_on_path(trainer, path),
+                deep=self.verify == "deep",
+                on_resolved=lambda path: _set_ckpt_path(trainer, path),
             )
             trainer.strategy.checkpoint_io = self._io
         if _loads_itself(trainer) and "load_checkpoint" not in vars(trainer.strategy):
@@ -649,6 +653,13 @@ def _agree_on_path(trainer: Trainer, path: str | None) -> None:
         )
 
 
+def _set_ckpt_path(trainer: Trainer, path: str | None) -> None:
+    """Make ``trainer.ckpt_path`` report the checkpoint ``"latest"`` resolved to (None: a fresh start)."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if connector is not None and hasattr(connector, "_ckpt_path"):
+        connector._ckpt_path = path
+
+
 def _loads_itself(trainer: Trainer) -> bool:
     """Whether the strategy loads checkpoints without going through its ``CheckpointIO`` (DeepSpeed)."""
     from lightning.pytorch.strategies import Strategy
@@ -666,6 +677,7 @@ def _resolving_load(trainer: Trainer, dirpath: str, deep: bool) -> Callable[...,
         if isinstance(checkpoint_path, str) and checkpoint_path == LATEST:
             resolved = latest_checkpoint(dirpath, deep=deep)
             _agree_on_path(trainer, resolved)
+            _set_ckpt_path(trainer, resolved)
             if resolved is None:
                 import lightning
 
