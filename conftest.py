@@ -22,6 +22,7 @@ def _no_leaks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(var, raising=False)
     before = dict(os.environ)
     yield
+    monkeypatch.undo()  # what the test set through monkeypatch is restored, not a leak
     after = dict(os.environ)
     leaked = {k for k in set(before) ^ set(after) if not k.startswith(("PYTEST_", "LPLUGINS_"))}
     leaked |= {k for k in set(before) & set(after) if before[k] != after[k] and not k.startswith("PYTEST_")}

@@ -279,3 +279,22 @@ def test_attach_refuses_while_running(lplugins_manager: PluginManager) -> None:
     trainer.fit(BoringModel())
     assert errors and "before trainer.fit()" in str(errors[0])
     assert isinstance(SingleDeviceStrategy, type)
+
+
+def test_int_accumulation_with_a_scheduler_callback_is_refused(lplugins_manager: PluginManager) -> None:
+    from lplugins.accumulation import AccumulationScheduler, EpochSchedule
+
+    with pytest.raises(CompositionError, match="accumulate_grad_batches=4 and an AccumulationScheduler"):
+        lplugins.compose(accumulate_grad_batches=4, callbacks=[AccumulationScheduler(EpochSchedule({0: 2}))])
+
+
+def test_old_precision_spellings_are_checked_like_the_new_ones(lplugins_manager: PluginManager) -> None:
+    assert lplugins.compose(strategy="fsdp", precision="bf16")["precision"] == "bf16"
+    with pytest.raises(CompositionError, match="'64' cannot be used with strategy 'fsdp'"):
+        lplugins.compose(strategy="fsdp", precision="64")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_auto_precision_for_a_gpu_that_is_not_there(lplugins_manager: PluginManager) -> None:
+    with pytest.raises(CompositionError, match="no CUDA device is available here"):
+        lplugins.compose(accelerator="gpu", precision="auto")

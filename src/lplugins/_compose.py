@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,14 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
         callbacks.append(_resolve_accumulation(manager, accumulation))
 
     resolved_callbacks = [_resolve_callback(manager, cb) for cb in callbacks]
+    if isinstance(accumulation, int) and not isinstance(accumulation, bool) and accumulation > 1:
+        from lplugins.accumulation import AccumulationScheduler
+
+        if any(isinstance(cb, AccumulationScheduler) for cb in resolved_callbacks):
+            raise CompositionError(
+                f"accumulate_grad_batches={accumulation} and an AccumulationScheduler in callbacks both set the "
+                f"accumulation factor; keep one (give the schedule as accumulate_grad_batches=...)."
+            )
     resolved_callbacks.extend(manager.trainer_callbacks(MappingProxyType(hook_view)))
     _check_duplicates(resolved_callbacks)
 
@@ -301,7 +310,12 @@ def _check_lightning_precision(precision: str, strategy: Any, strategy_component
         allowed, family = get_args(FSDP_INPUT), "FSDP"
     else:
         return
-    if precision not in allowed:
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning warns about the old spellings ('bf16', 16); we only normalise
+        unified = _convert_precision_to_unified_args(precision)  # type: ignore[arg-type]
+    if unified not in allowed:
         label = _strategy_label(strategy, strategy_component)
         raise CompositionError(
             f"Precision {precision!r} cannot be used with strategy {label!r} ({family} uses its own precision "

@@ -61,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lplugins._demo import add_parser as add_demo
     from lplugins._scaffold import add_parser as add_scaffold
+    from lplugins.strategies.advisor import register_cli as add_advise
 
     add_demo(sub)
     add_scaffold(sub)
+    add_advise(sub)
     return parser
 
 

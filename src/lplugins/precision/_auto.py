@@ -71,6 +71,13 @@ def probe_capabilities(accelerator: str, *, cpu_bf16: bool = False) -> dict[str,
     if accelerator == "cuda":
         import torch
 
+        if not torch.cuda.is_available():
+            from lplugins._errors import CompositionError
+
+            raise CompositionError(
+                "precision='auto' with accelerator='cuda'/'gpu': no CUDA device is available here, so there is no "
+                "hardware to choose for. Use accelerator='auto' or 'cpu', or give a precision name."
+            )
         if torch.cuda.is_available():
             caps["cuda_capability"] = tuple(torch.cuda.get_device_capability())
             caps["bf16_supported"] = bool(torch.cuda.is_bf16_supported())

@@ -304,11 +304,13 @@ def config_for_stage(
         if options.get("offload_parameters"):
             zero["offload_param"] = {"device": "cpu"}
         loaded["zero_optimization"] = zero
-        loaded.setdefault("zero_allow_untested_optimizer", True)
     elif zero.get("stage", 0) != stage:
         raise DeepSpeedConfigError(
             f"Strategy {name!r} is ZeRO stage {stage}, but its config sets 'zero_optimization.stage' to "
             f"{zero.get('stage', 0)}. Use the strategy named for stage {zero.get('stage', 0)} "
             f"(e.g. 'deepspeed_stage_{zero.get('stage', 0)}_cpu'), or change the config."
         )
+    # As Lightning does for the configs it generates: any torch optimizer is allowed with ZeRO unless the
+    # config says otherwise (DeepSpeed's own default refuses non-Adam optimizers only at setup, mid-``fit``).
+    loaded.setdefault("zero_allow_untested_optimizer", True)
     return loaded
