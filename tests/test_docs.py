@@ -55,3 +55,24 @@ def test_import_is_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]", f"import lplugins imported {out[0]}"
     assert out[1] == "False", "loading the built-in plugins imported deepspeed"
+
+
+def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, monkeypatch: object) -> None:
+    """The README's quickstart builds real Trainers (``fit`` itself is exercised by the component tests)."""
+    import pytest
+    from lightning.pytorch import Trainer
+
+    assert isinstance(monkeypatch, pytest.MonkeyPatch)
+    monkeypatch.chdir(tmp_path)
+    text = (DOCS.parent / "README.md").read_text()
+    block = text.split("## Quickstart")[1].split("```python")[1].split("```")[0]
+    fits: list[object] = []
+    block = block.replace('trainer.fit(model, ckpt_path="latest")', "fits.append(trainer)")
+    existing = Trainer(accelerator="cpu", logger=False)
+    namespace = {"fits": fits, "existing_trainer": existing}
+    exec(compile(block, "README.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert fits == [trainer]
+    assert type(trainer.strategy).__name__ == "DeepSpeedStrategy"
+    names = {type(cb).__name__ for cb in existing.callbacks}
+    assert {"DurableCheckpoint", "MetricsCallback"} <= names
