@@ -156,7 +156,7 @@ class MetricsCallback(Callback):
                 x, y = batch
                 logits = self(x)
                 loss = F.cross_entropy(logits, y)
-                return {"loss": loss, "preds": logits.detach(), "target": y}
+                return {"loss": loss, "preds": logits.softmax(-1).detach(), "target": y}  # probabilities
 
         metrics = {"acc": torchmetrics.classification.MulticlassAccuracy(num_classes=10)}
         trainer = Trainer(callbacks=[MetricsCallback(metrics)])
