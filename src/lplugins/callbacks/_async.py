@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -11,11 +12,18 @@ from typing import Any
 import torch
 
 
-def snapshot(obj: Any, buffers: list[torch.Tensor] | None = None, used: list[torch.Tensor] | None = None) -> Any:
+def snapshot(
+    obj: Any,
+    buffers: list[torch.Tensor] | None = None,
+    used: list[torch.Tensor] | None = None,
+    defer: frozenset[int] = frozenset(),
+    deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> Any:
     """A deep copy of a checkpoint dict with every tensor copied to CPU memory.
 
     Containers are rebuilt, tensors are copied (so training may change the originals right away), and
-    other leaves are deep-copied.
+    other leaves are deep-copied -- except the copies of tensors in ``defer``, which are left to a
+    :class:`DeferredCopy`.
 
     Args:
         obj: The checkpoint (or any part of it).
@@ -23,6 +31,10 @@ def snapshot(obj: Any, buffers: list[torch.Tensor] | None = None, used: list[tor
             where shape, dtype and strides match (``copy_`` into memory that is already mapped is
             several times faster than allocating).
         used: Receives the tensors of the new snapshot, in traversal order (to reuse them next time).
+        defer: Storage addresses of contiguous CPU tensors whose copy may wait (parameters and
+            optimizer state, which change only in the optimizer step): their buffer is allocated but
+            not filled; ``(buffer, source)`` goes to ``deferred``.
+        deferred: Receives the copies left to do.
     """
     pool = iter(buffers or ())
     out_used: list[torch.Tensor] = [] if used is None else used
@@ -30,16 +42,29 @@ def snapshot(obj: Any, buffers: list[torch.Tensor] | None = None, used: list[tor
     def copy_tensor(t: torch.Tensor) -> torch.Tensor:
         src = t.detach()
         buf = next(pool, None)
-        if (
+        later = (
+            deferred is not None
+            and src.device.type == "cpu"
+            and src.layout == torch.strided
+            and src.is_contiguous()
+            and src.untyped_storage().data_ptr() in defer
+        )
+        if not (
             buf is not None
             and buf.shape == src.shape
             and buf.dtype == src.dtype
             and buf.stride() == src.stride()
             and src.layout == torch.strided
         ):
-            buf.copy_(src)
+            buf = torch.empty(src.shape, dtype=src.dtype) if later else src.to("cpu", copy=True)
+            if later:
+                assert deferred is not None
+                deferred.append((buf, src))
+        elif later:
+            assert deferred is not None
+            deferred.append((buf, src))
         else:
-            buf = src.to("cpu", copy=True)
+            buf.copy_(src)
         out_used.append(buf)
         return buf
 
@@ -60,6 +85,65 @@ def snapshot(obj: Any, buffers: list[torch.Tensor] | None = None, used: list[tor
         return copy.deepcopy(o)
 
     return walk(obj)
+
+
+class DeferredCopy:
+    """Copies of tensors made on a background thread while training goes on, completed at a barrier.
+
+    The sources must not change before :meth:`complete` (the caller puts the barrier in front of the
+    optimizer step). :meth:`complete` also compares every source's version counter with its value at
+    the start: an in-place change in between (user code outside ``optimizer.step()``) marks the copy
+    as torn, and the writer drops it instead of writing a mix of two states.
+
+    Args:
+        pairs: ``(destination, source)`` tensors, both on CPU with the same shape and dtype.
+    """
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._pairs = pairs
+        self._versions = [src._version for _, src in pairs]
+        self._done = threading.Event()
+        self._intact = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if pairs:
+            self._thread = threading.Thread(target=self._run, name="lplugins-checkpoint-snapshot", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                for dst, src in self._pairs:
+                    dst.copy_(src)
+        except BaseException as err:  # reported by the writer
+            self._error = err
+
+    @property
+    def completed(self) -> bool:
+        """Whether :meth:`complete` ran."""
+        return self._done.is_set()
+
+    def complete(self) -> tuple[float, bool]:
+        """Wait for the copies (training thread); return ``(seconds waited, intact)``. Idempotent."""
+        if self._done.is_set():
+            return 0.0, self._intact
+        start = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+        waited = time.perf_counter() - start
+        self._intact = self._error is None and all(
+            src._version == version for (_, src), version in zip(self._pairs, self._versions, strict=True)
+        )
+        self._pairs = []  # no references to the live tensors
+        self._done.set()
+        return waited, self._intact
+
+    def result(self) -> bool:
+        """Wait for :meth:`complete` (writer thread); raise the copy's error; whether the copy is intact."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._intact
 
 
 class BufferPool:
@@ -104,8 +188,6 @@ class Writer:
 
     def submit(self, job: Callable[[], None]) -> float:
         """Queue ``job``; wait while ``max_in_flight`` saves are in flight. Returns the seconds waited."""
-        import time
-
         start = time.perf_counter()
         with self._cond:
             while self._in_flight >= self.max_in_flight and self._error is None:

@@ -13,20 +13,32 @@ marker) are invisible to :func:`find_committed` and removed by :func:`clean_left
 
 Remote ``fsspec`` paths get the same order of operations (data first, marker last, marker removed
 first on delete) but no ``fsync``: durability is whatever the store gives a finished upload.
+
+Checkpoint data goes through :class:`StreamWriter`: ``torch.save`` writes into it, it passes the bytes
+straight to the file descriptor, asks the kernel to start writing them back every few MiB (so the
+final ``fsync`` only waits for the tail), and computes the CRC32 of the whole file without holding
+the writes up (tensor storages are hashed in place on a second thread while ``torch.save`` pickles).
+The CRC goes into the commit marker, where ``verify="deep"`` checks it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import re
 import shutil
+import sys
+import threading
 import time
 import uuid
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from types import TracebackType
 from typing import IO, Any
 
 COMMIT_SUFFIX = ".commit"
@@ -70,6 +82,9 @@ class Record:
         reason: What triggered the save (``"step"``, ``"epoch"``, ``"time"``, ``"request"``, ...).
         seq: Commit sequence number in this directory (1, 2, ...): "newest" means the highest, whatever
             the step numbers and clocks say (a fresh run in a used directory is newer than the old run).
+        crc32: CRC32 of the whole file checkpoint, when it was computed (``verify="deep"`` checks it).
+        zip_crc: Whether the archive's per-record CRC32s were written (checked by ``verify="deep"``
+            when there is no ``crc32``).
     """
 
     name: str
@@ -83,6 +98,8 @@ class Record:
     metric: float | None = None
     reason: str = ""
     seq: int = 0
+    crc32: int | None = None
+    zip_crc: bool = True
     format: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
@@ -207,6 +224,48 @@ class Storage:
             self.remove(tmp)
             raise
 
+    def write_stream(
+        self, name: str, write: Callable[[StreamWriter], None], checksum: bool, stable: dict[int, int] | None = None
+    ) -> int | None:
+        """Write file ``name`` atomically through a :class:`StreamWriter`; return its CRC32 (or None).
+
+        Like :meth:`write_durable` (temporary name, ``fsync``, rename; the directory is not synced: the
+        commit marker's directory ``fsync`` persists the rename), but the data streams straight to the
+        file descriptor with early write-back, and the checksum is computed while writing.
+
+        Args:
+            name: The final entry name.
+            write: Called with the open stream; writes the whole contents (``torch.save(obj, stream)``).
+            checksum: Compute the CRC32 of the whole file.
+            stable: ``{address: size}`` of memory that stays unchanged until this returns (the tensor
+                storages being saved): hashed in place on a second thread, from the start.
+
+        Raises:
+            FileExistsError: ``name`` exists already.
+            OSError: the write failed; the temporary file is removed and nothing else changed.
+        """
+        if self.exists(name):
+            raise FileExistsError(f"{self.path(name)} exists already; a committed file is never overwritten")
+        tmp = self.tmp_name(name)
+        try:
+            if self.remote:
+                with self.open_write(tmp) as f, StreamWriter(f, checksum=checksum, stable=stable) as stream:
+                    write(stream)
+                    crc = stream.finish()
+            else:
+                fd = os.open(self.path(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+                try:
+                    with StreamWriter(fd, checksum=checksum, stable=stable) as stream:
+                        write(stream)
+                        crc = stream.finish()
+                finally:
+                    os.close(fd)
+            self.rename(tmp, name, sync_dir=False)
+        except BaseException:
+            self.remove(tmp)
+            raise
+        return crc
+
     def rename(self, src: str, dst: str, sync_dir: bool = True) -> None:
         """Rename entry ``src`` to ``dst`` (atomic locally; copy+delete on most object stores) and persist it."""
         if self.remote:
@@ -299,15 +358,29 @@ class Storage:
             return f"unreadable: {err}"
         if size != record.size:
             return f"size {size} != committed size {record.size} (truncated or overwritten)"
+        if deep and record.crc32 is not None:
+            try:
+                crc = self.file_crc32(name)
+            except OSError as err:
+                return f"unreadable: {err}"
+            return None if crc == record.crc32 else f"CRC32 {crc:#010x} != committed {record.crc32:#010x}"
         if self.remote:
             return None
         try:
             with zipfile.ZipFile(self.path(name)) as zf:
-                if deep and (bad := zf.testzip()) is not None:
+                if deep and record.zip_crc and (bad := zf.testzip()) is not None:
                     return f"CRC mismatch in {bad}"
         except (zipfile.BadZipFile, OSError) as err:
             return f"not a readable checkpoint archive: {err}"
         return None
+
+    def file_crc32(self, name: str) -> int:
+        """CRC32 of every byte of file ``name``."""
+        crc = 0
+        with self._fs.open(self.path(name), "rb") if self.remote else open(self.path(name), "rb") as f:
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+        return crc
 
     def records(self) -> Iterator[tuple[Record | None, str]]:
         """Every commit marker in the directory: ``(record, marker name)``; ``record`` is None when unreadable."""
@@ -367,6 +440,187 @@ class Storage:
                     os.fsync(f.fileno())
         finally:
             self.remove(name)
+
+
+_CHUNK = 8 << 20
+#: Start the kernel's write-back after every this many bytes (``sync_file_range``; Linux only).
+WRITEBACK_BYTES = 8 << 20
+#: Writes at least this large whose memory is "stable" are hashed in place on the second thread.
+_IN_PLACE_BYTES = 64 << 10
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` back to disk, without waiting (advisory)."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _sync_file_range = fn
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only means no early write-back
+
+
+def _address(view: memoryview) -> int:
+    import numpy
+
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+
+
+# CRC32 of a concatenation from the CRC32s of its parts (zlib's crc32_combine; Python's zlib lacks it):
+# polynomial arithmetic modulo the CRC-32 polynomial over GF(2), bit-reflected as in zlib.
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC polynomial (``a`` nonzero)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+@functools.lru_cache(maxsize=1024)
+def _shift(nbytes: int) -> int:
+    """``x^(8 * nbytes)`` modulo the CRC polynomial."""
+    p, k, n = 1 << 31, 3, nbytes
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``."""
+    return _multmodp(_shift(len2), crc1) ^ crc2 if len2 else crc1
+
+
+class StreamWriter:
+    """A write-only binary stream for ``torch.save``: direct writes, early write-back, CRC32 off the critical path.
+
+    ``torch.save`` pickles first, then hands every tensor storage to ``write`` in one piece, straight
+    from the tensor's memory. Writes go to the descriptor (``os.write``; no user-space buffer); every
+    :data:`WRITEBACK_BYTES` the kernel is asked to start flushing what was written, so
+    :meth:`finish`'s ``fsync`` only waits for the tail.
+
+    With ``checksum``, the CRC32 of the whole stream is computed without holding the writes up: the
+    storages listed in ``stable`` are hashed in place by a second thread that starts right away (while
+    ``torch.save`` is still pickling), everything else is hashed as it is written, and :meth:`finish`
+    combines the pieces' CRCs in stream order.
+
+    Args:
+        target: An open file descriptor (local, synced by :meth:`finish`) or a binary file object.
+        checksum: Compute the CRC32 of everything written.
+        stable: ``{address: size}`` of memory that stays valid and unchanged until :meth:`finish` or
+            the end of the ``with`` block (the tensor storages of the object being saved).
+    """
+
+    def __init__(self, target: int | IO[bytes], *, checksum: bool, stable: dict[int, int] | None = None) -> None:
+        self._target = target
+        self._checksum = checksum
+        self._stable = dict(stable or {}) if checksum else {}
+        self._offset = 0
+        self._flushed = 0
+        self._run_crc = 0  # CRC32 of the bytes written since the last stable piece
+        self._run_len = 0
+        self._pieces: list[tuple[int, int, int | None]] = []  # (crc, length, stable address or None)
+        self._crcs: dict[int, int] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if self._stable:
+            self._thread = threading.Thread(target=self._hash, name="lplugins-checkpoint-crc32", daemon=True)
+            self._thread.start()
+
+    def _hash(self) -> None:
+        try:
+            for address, size in self._stable.items():
+                self._crcs[address] = zlib.crc32((ctypes.c_char * size).from_address(address))
+        except BaseException as err:  # kept for finish()
+            self._error = err
+
+    def write(self, data: Any) -> int:
+        """Write all of ``data`` (any buffer); return its length."""
+        view = memoryview(data).cast("B")
+        size = len(view)
+        if self._checksum:
+            address = _address(view) if size >= _IN_PLACE_BYTES and self._stable else None
+            if address is not None and self._stable.get(address) == size:
+                self._pieces.append((self._run_crc, self._run_len, None))
+                self._pieces.append((0, size, address))
+                self._run_crc, self._run_len = 0, 0
+            else:
+                self._run_crc = zlib.crc32(view, self._run_crc)
+                self._run_len += size
+        if isinstance(self._target, int):
+            done = 0
+            while done < size:
+                done += os.write(self._target, view[done:])
+            self._offset += size
+            if self._offset - self._flushed >= WRITEBACK_BYTES:
+                _start_writeback(self._target, self._flushed, self._offset - self._flushed)
+                self._flushed = self._offset
+        else:
+            self._target.write(view)
+            self._offset += size
+        return size
+
+    def flush(self) -> None:
+        """Nothing is buffered here (``torch.save`` calls it)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._offset
+
+    def finish(self) -> int | None:
+        """``fsync`` a descriptor target, then return the CRC32 of the stream (None without ``checksum``)."""
+        if isinstance(self._target, int):
+            os.fsync(self._target)
+        self._join()
+        if not self._checksum:
+            return None
+        if self._error is not None:
+            raise self._error
+        crc = 0
+        for piece_crc, length, address in [*self._pieces, (self._run_crc, self._run_len, None)]:
+            crc = crc32_combine(crc, self._crcs[address] if address is not None else piece_crc, length)
+        return crc
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> StreamWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._join()  # the hashing thread reads the caller's memory: it must be done when the caller goes on
 
 
 def order(record: Record) -> tuple[int, int, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lplugins.callbacks._async import BufferPool, Writer, snapshot
+from lplugins.callbacks._async import BufferPool, DeferredCopy, Writer, snapshot
 from lplugins.callbacks._resume import LATEST, NoCheckpoint, SafeResumeIO, latest_checkpoint
 from lplugins.callbacks._storage import COMMIT_SUFFIX, TMP_PREFIX, Record, Storage, checkpoint_name, now, order
 
@@ -68,7 +69,9 @@ class DurableCheckpoint(Checkpoint):
         keep_top: Also keep the best this many by ``monitor`` (0: none).
         monitor: The logged metric ``keep_top`` ranks by.
         mode: ``"min"`` or ``"max"``: which values of ``monitor`` are better.
-        async_save: Snapshot the state to CPU memory and write it on a background thread.
+        async_save: Snapshot the state to CPU memory and write it on a background thread. The copies of
+            the parameters and optimizer state (on CPU) are made while the next forward and backward
+            run, and finished before the next optimizer step changes them (see ``docs/checkpoint.md``).
         max_in_flight: With ``async_save``, the most saves queued or being written; a save beyond it
             waits for the oldest to finish.
         preemption_signals: Signals that trigger one coordinated save and a clean exit (any rank may
@@ -77,11 +80,12 @@ class DurableCheckpoint(Checkpoint):
             ``None`` stops training normally instead (``trainer.should_stop``) and sets ``preempted``.
         slurm_requeue: After a preemption save, run ``scontrol requeue $SLURM_JOB_ID`` from rank 0
             when running under SLURM.
-        crc32: Let ``torch.save`` compute the archive's CRC32 checksums (what ``verify="deep"`` checks).
-            ``False`` roughly doubles the write speed (the commit protocol does not need them; they
-            detect later corruption). It sets torch's process-wide ``compute_crc32`` during the write.
-        verify: ``"quick"`` (size and archive directory) or ``"deep"`` (every byte's CRC) check of a
-            candidate when resolving ``"latest"``.
+        crc32: Compute the CRC32 of the whole checkpoint file while writing it (on a second thread,
+            overlapped with the write) and keep it in the commit marker, where ``verify="deep"`` checks
+            it. torch's own per-record archive CRC32s are not computed either way (``torch.load`` does
+            not check them); torch's process-wide switch for them is off during the write.
+        verify: ``"quick"`` (size and archive directory) or ``"deep"`` (every byte against the CRC32)
+            check of a candidate when resolving ``"latest"``.
 
     Raises:
         ValueError: an interval, ``keep_last``, ``keep_top``, ``max_in_flight``, ``mode``,
@@ -163,14 +167,19 @@ class DurableCheckpoint(Checkpoint):
 
         #: True after a preemption signal led to a save (and, with ``preemption_exit_code=None``, a stop).
         self.preempted = False
-        #: Seconds the training thread spent on each save (the stall; for async saves, the snapshot).
+        #: Seconds the training thread spent on each save (the stall; for async saves, taking the
+        #: snapshot plus waiting for its deferred copies before the next optimizer step).
         self.save_stalls: list[float] = []
         self._storage: Storage | None = None
         self._records: list[Record] = []
         self._seq = 0
         self._lock = threading.Lock()
         self._writer: Writer | None = None
+        self._deleter: Writer | None = None
         self._pool: BufferPool | None = None
+        self._copy: DeferredCopy | None = None
+        self._copy_stall = -1
+        self._eager_snapshots = False
         self._writes_itself = True
         self._async_active = False
         self._requested = False
@@ -252,6 +261,9 @@ class DurableCheckpoint(Checkpoint):
         if self._async_active and trainer.is_global_zero:
             self._writer = Writer(self.max_in_flight)
             self._pool = BufferPool(1)
+        if trainer.is_global_zero:
+            self._deleter = Writer(_DELETES_IN_FLIGHT)  # retention deletes old checkpoints off the training thread
+        self._eager_snapshots = False
         self._boundary_step = -1
         self._last_saved_step = -1
         self._last_save_time = time.monotonic()
@@ -267,6 +279,7 @@ class DurableCheckpoint(Checkpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._complete_snapshot()
         step = trainer.global_step
         if step == self._boundary_step:
             return  # not an optimizer-step boundary (gradient accumulation)
@@ -299,6 +312,16 @@ class DurableCheckpoint(Checkpoint):
             self._preemption_exit(trainer)
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._complete_snapshot()  # the optimizer step is about to change what the async snapshot copies
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._complete_snapshot()  # callbacks may swap weights in for validation
+
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.every_n_epochs is not None and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self._save(trainer, "epoch")
@@ -313,16 +336,20 @@ class DurableCheckpoint(Checkpoint):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._restore_signal_handlers()
+        self._complete_snapshot()
         if self._writer is not None:
             writer, self._writer = self._writer, None
             writer.close()  # commit what was already snapshotted; errors were or will be reported
+        self._close_deleter()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._restore_signal_handlers()
+        self._complete_snapshot()
         if self._writer is not None:
             writer, self._writer = self._writer, None
             writer.close()
+        self._close_deleter()
         self._pool = None  # the CPU copies of the state
         if self._io is not None and trainer.strategy.checkpoint_io is self._io:
             trainer.strategy.checkpoint_io = self._io.inner
@@ -359,6 +386,7 @@ class DurableCheckpoint(Checkpoint):
     # ---------------------------------------------------------------------------------- saving
     def _save(self, trainer: Trainer, reason: str) -> None:
         assert self._storage is not None, "DurableCheckpoint.setup() did not run"
+        self._complete_snapshot()
         step, epoch = trainer.global_step, trainer.current_epoch
         if step == self._last_saved_step:
             return  # every rank agrees: this state is saved already (or was loaded from a checkpoint)
@@ -381,17 +409,22 @@ class DurableCheckpoint(Checkpoint):
             # errors of the background write surface at the next step boundary, on every rank
             if self._writer is not None and self._pool is not None:
                 used: list[torch.Tensor] = []
-                data = snapshot(checkpoint, self._pool.take(), used)
+                pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+                stable = frozenset() if self._eager_snapshots else _stable_storages(trainer)
+                data = snapshot(checkpoint, self._pool.take(), used, defer=stable, deferred=pairs)
                 del checkpoint
                 pool = self._pool
+                copy = DeferredCopy(pairs)
 
                 def job() -> None:
                     try:
-                        self._write_file(record, data)
+                        if copy.result():
+                            self._write_file(record, data)
                     finally:
                         data.clear()
                         pool.give(used)
 
+                self._copy, self._copy_stall = copy, len(self.save_stalls)
                 self._writer.submit(job)
         elif self._writes_itself:
             error: BaseException | None = None
@@ -404,6 +437,27 @@ class DurableCheckpoint(Checkpoint):
         else:
             self._save_through_strategy(trainer, checkpoint, record)
         self.save_stalls.append(time.perf_counter() - start)
+
+    def _complete_snapshot(self) -> None:
+        """Finish the deferred copies of the last async snapshot before anything changes the state."""
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return
+        waited, intact = copy.complete()
+        if 0 <= self._copy_stall < len(self.save_stalls):
+            self.save_stalls[self._copy_stall] += waited
+        if not intact and not self._eager_snapshots:
+            self._eager_snapshots = True
+            rank_zero_warn(
+                "DurableCheckpoint(async_save=True): parameters or optimizer state changed in place before the"
+                " optimizer step that followed a save (outside optimizer.step()); that checkpoint was dropped,"
+                " and from now on snapshots are copied before training goes on."
+            )
+
+    def _close_deleter(self) -> None:
+        if self._deleter is not None:
+            deleter, self._deleter = self._deleter, None
+            deleter.close()
 
     def _free_name(self, step: int, epoch: int) -> str:
         """A checkpoint name for this state that nothing in the directory uses (rank 0)."""
@@ -424,9 +478,10 @@ class DurableCheckpoint(Checkpoint):
         assert storage is not None
         path = storage.path(record.name)
         try:
-            storage.write_durable(
-                record.name, lambda target: _torch_save(checkpoint, target, self.crc32), sync_dir=False
+            record.crc32 = storage.write_stream(
+                record.name, lambda stream: _torch_save(checkpoint, stream), self.crc32, _cpu_storages(checkpoint)
             )
+            record.zip_crc = not _can_skip_zip_crc()
             record.size = storage.size(record.name)
             record.time, record.seq = now(), self._next_seq()
             storage.commit(record)
@@ -474,8 +529,12 @@ class DurableCheckpoint(Checkpoint):
             keep = self._to_keep(self._records)
             doomed = [r for r in self._records if r.name not in keep]
             self._records = [r for r in self._records if r.name in keep]
+        deleter = self._deleter
         for r in doomed:
-            storage.delete(r.name)
+            if deleter is None:
+                storage.delete(r.name)
+            else:
+                deleter.submit(functools.partial(_delete_quietly, storage, r.name))
 
     def _to_keep(self, records: list[Record]) -> set[str]:
         keep = {records[-1].name}
@@ -531,8 +590,11 @@ class DurableCheckpoint(Checkpoint):
 
     def _finish(self, trainer: Trainer) -> None:
         """Finish every save in flight; report a background failure on all ranks."""
+        self._complete_snapshot()
         if self._writer is not None:
             self._writer.flush()
+        if self._deleter is not None:
+            self._deleter.flush()
         failed = _reduce_max(trainer, [int(self._writer is not None and self._writer.failed)])[0]
         if failed:
             self._raise_background_error(trainer)
@@ -694,20 +756,74 @@ def _resolving_load(trainer: Trainer, dirpath: str, deep: bool) -> Callable[...,
 _CRC_LOCK = threading.Lock()
 
 
-def _torch_save(obj: Any, target: Any, crc32: bool) -> None:
-    """``torch.save``, optionally without the archive's CRC32 checksums."""
-    if crc32:
+def _torch_save(obj: Any, target: Any) -> None:
+    """``torch.save`` without the archive's per-record CRC32s (the stream's whole-file CRC32 replaces them).
+
+    torch's switch is process-wide (``torch.serialization.set_crc32_options``): it is off only during the
+    write, under a lock. Older torch versions without the switch compute them (slower, same result).
+    """
+    if not _can_skip_zip_crc():
         torch.save(obj, target)
         return
-    from torch.utils.serialization import config
-
+    get, set_ = torch.serialization.get_crc32_options, torch.serialization.set_crc32_options
     with _CRC_LOCK:
-        previous = config.save.compute_crc32
-        config.save.compute_crc32 = False
+        previous = get()
+        set_(False)
         try:
             torch.save(obj, target)
         finally:
-            config.save.compute_crc32 = previous
+            set_(previous)
+
+
+_DELETES_IN_FLIGHT = 1 << 16
+
+
+def _delete_quietly(storage: Storage, name: str) -> None:
+    """Retention's delete of an old checkpoint: a failure leaves it in place with a warning (nothing is lost)."""
+    try:
+        storage.delete(name)
+    except OSError as err:
+        log.warning("DurableCheckpoint: could not delete old checkpoint %s: %s", storage.path(name), err)
+
+
+def _stable_storages(trainer: Trainer) -> frozenset[int]:
+    """Storage addresses of the CPU parameters and optimizer state: they change only in the optimizer step."""
+    out: set[int] = set()
+    for p in trainer.lightning_module.parameters():
+        if p.device.type == "cpu":
+            out.add(p.untyped_storage().data_ptr())
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    out.add(value.untyped_storage().data_ptr())
+    out.discard(0)
+    return frozenset(out)
+
+
+def _can_skip_zip_crc() -> bool:
+    return hasattr(torch.serialization, "set_crc32_options") and hasattr(torch.serialization, "get_crc32_options")
+
+
+def _cpu_storages(obj: Any) -> dict[int, int]:
+    """``{address: size}`` of the storages of the CPU tensors in ``obj`` (``torch.save`` writes each in one piece)."""
+    out: dict[int, int] = {}
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            if o.device.type == "cpu" and o.layout == torch.strided:
+                storage = o.untyped_storage()
+                out[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    out.pop(0, None)
+    return out
 
 
 def _writes_itself(trainer: Trainer) -> bool:
