@@ -220,3 +220,14 @@ def test_retention_runs_off_the_training_thread_and_is_done_when_fit_returns(
     assert threads and threading.main_thread().name not in threads
     assert steps(tmp_path) == [4, 5]
     assert names(tmp_path) == ["step=000000004-epoch=0000.ckpt", "step=000000005-epoch=0001.ckpt"]
+
+
+@pytest.mark.parametrize("user_setting", [True, False])
+def test_torchs_process_wide_crc32_option_is_restored(tmp_path: Path, user_setting: bool) -> None:
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(user_setting)
+    try:
+        fit(DurableCheckpoint(tmp_path, every_n_steps=1, async_save=True, max_in_flight=2), max_steps=3)
+        assert torch.serialization.get_crc32_options() is user_setting
+    finally:
+        torch.serialization.set_crc32_options(previous)

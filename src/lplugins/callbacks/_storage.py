@@ -466,9 +466,12 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only means no early write-back
 
 
-def _address(view: memoryview) -> int:
-    import numpy
-
+def _address(view: memoryview) -> int | None:
+    """The address of a read-only buffer's memory (None without NumPy: then every piece is hashed as written)."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover -- torchmetrics requires NumPy
+        return None
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 

@@ -754,25 +754,33 @@ def _resolving_load(trainer: Trainer, dirpath: str, deep: bool) -> Callable[...,
 
 
 _CRC_LOCK = threading.Lock()
+_crc_off_count = 0
+_crc_previous = True
 
 
 def _torch_save(obj: Any, target: Any) -> None:
     """``torch.save`` without the archive's per-record CRC32s (the stream's whole-file CRC32 replaces them).
 
-    torch's switch is process-wide (``torch.serialization.set_crc32_options``): it is off only during the
-    write, under a lock. Older torch versions without the switch compute them (slower, same result).
+    torch's switch is process-wide (``torch.serialization.set_crc32_options``): it is off while any of
+    these saves runs (saves on several threads share one "off" period) and restored after the last.
+    Older torch versions without the switch compute them (slower, same result).
     """
+    global _crc_off_count, _crc_previous
     if not _can_skip_zip_crc():
         torch.save(obj, target)
         return
-    get, set_ = torch.serialization.get_crc32_options, torch.serialization.set_crc32_options
     with _CRC_LOCK:
-        previous = get()
-        set_(False)
-        try:
-            torch.save(obj, target)
-        finally:
-            set_(previous)
+        if _crc_off_count == 0:
+            _crc_previous = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc_off_count += 1
+    try:
+        torch.save(obj, target)
+    finally:
+        with _CRC_LOCK:
+            _crc_off_count -= 1
+            if _crc_off_count == 0:
+                torch.serialization.set_crc32_options(_crc_previous)
 
 
 _DELETES_IN_FLIGHT = 1 << 16
@@ -782,7 +790,7 @@ def _delete_quietly(storage: Storage, name: str) -> None:
     """Retention's delete of an old checkpoint: a failure leaves it in place with a warning (nothing is lost)."""
     try:
         storage.delete(name)
-    except OSError as err:
+    except Exception as err:  # a background thread: report, keep the checkpoint, go on
         log.warning("DurableCheckpoint: could not delete old checkpoint %s: %s", storage.path(name), err)
 
 
