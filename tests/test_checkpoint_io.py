@@ -128,6 +128,16 @@ def test_snapshot_defers_only_the_listed_storages_and_the_copy_completes() -> No
     assert torch.equal(data["param"], param)
 
 
+def test_inference_tensors_are_never_deferred() -> None:
+    """They have no version counter, so a change could not be detected: they are copied at the save."""
+    with torch.inference_mode():
+        frozen = torch.randn(50)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    data = snapshot({"t": frozen}, defer=frozenset({frozen.untyped_storage().data_ptr()}), deferred=pairs)
+    assert pairs == []
+    assert torch.equal(data["t"], frozen)
+
+
 def test_deferred_copy_reports_a_source_changed_in_place_before_completion() -> None:
     src = torch.zeros(1000)
     dst = torch.empty(1000)

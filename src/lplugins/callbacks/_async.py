@@ -47,6 +47,7 @@ def snapshot(
             and src.device.type == "cpu"
             and src.layout == torch.strided
             and src.is_contiguous()
+            and not src.is_inference()  # no version counter to check
             and src.untyped_storage().data_ptr() in defer
         )
         if not (
