@@ -8,6 +8,7 @@ callbacks to a Trainer you already have.
 
 from __future__ import annotations
 
+from lplugins import _exit
 from lplugins._compose import attach, compose
 from lplugins._errors import CompositionError, LPluginsError, PluginError, UnknownNameError
 from lplugins._manager import PluginInfo, PluginManager, PluginWarning, get_manager, load
@@ -15,6 +16,8 @@ from lplugins._registry import Component
 from lplugins.hookspecs import hookimpl
 
 __version__ = "0.1.0"
+
+_exit.install()  # a gloo process group left initialized must not abort the process at exit
 
 __all__ = [
     "Component",
