@@ -66,7 +66,7 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     ("70B", {"num_nodes": 4, "prefer_deepspeed": True}, "zero3", "seed table: ZeRO-3 for massive models."),
     ("500M", {"num_nodes": 4}, "ddp", "seed table: DDP for a single node. DDP is fine across nodes too."),
-    # CPU (gloo) jobs: FSDP is refused by Lightning on CPU, offload is pointless there
+    # CPU (gloo) jobs: FSDP is lplugins' fsdp2 there (Lightning refuses its FSDP), offload is pointless
     (
         "400M",
         {"accelerator": "cpu", "devices_per_node": 2, "host_memory_gib": 16, "device_memory_gib": None},
@@ -82,6 +82,18 @@ TABLE: list[tuple[str, dict[str, Any], str, str]] = [
     (
         "700M",
         {"accelerator": "cpu", "devices_per_node": 2, "host_memory_gib": 16, "device_memory_gib": None},
+        "fsdp",
+        "on CPU, FSDP is lplugins' fsdp2",
+    ),
+    (
+        "700M",
+        {
+            "accelerator": "cpu",
+            "devices_per_node": 2,
+            "host_memory_gib": 16,
+            "device_memory_gib": None,
+            "prefer_deepspeed": True,
+        },
         "zero3",
         "",
     ),
@@ -183,7 +195,7 @@ def test_model_is_counted() -> None:
 # ---------------------------------------------------------------------- the named strategy
 @needs_deepspeed
 def test_advised_strategy_resolved_at_composition(lplugins_manager: lplugins.PluginManager) -> None:
-    from lplugins.strategies import DDPStrategy, DeepSpeedStrategy
+    from lplugins.strategies import DDPStrategy, DeepSpeedStrategy, FSDP2Strategy
 
     spec = {"name": "advised", "num_parameters": "500M", "host_memory_gib": 16}
     strategy = lplugins.compose(strategy=spec, accelerator="cpu", devices=2, precision="32-true")["strategy"]
@@ -197,8 +209,12 @@ def test_advised_strategy_resolved_at_composition(lplugins_manager: lplugins.Plu
 
     spec = {"name": "advised", "num_parameters": "700M", "host_memory_gib": 16, "timeout": 5}
     strategy = lplugins.compose(strategy=spec, accelerator="cpu", devices=2, num_nodes=1)["strategy"]
-    assert strategy.config["zero_optimization"]["stage"] == 3
+    assert isinstance(strategy, FSDP2Strategy)  # everything sharded; on CPU that is FSDP2
     assert strategy._timeout.total_seconds() == 5
+
+    spec = {"name": "advised", "num_parameters": "700M", "host_memory_gib": 16, "prefer_deepspeed": True}
+    strategy = lplugins.compose(strategy=spec, accelerator="cpu", devices=2, num_nodes=1)["strategy"]
+    assert strategy.config["zero_optimization"]["stage"] == 3
 
 
 def test_advised_strategy_error_before_training(lplugins_manager: lplugins.PluginManager) -> None:

@@ -1,4 +1,4 @@
-"""The built-in plugin ``strategies``: named DeepSpeed, DDP and advised strategies.
+"""The built-in plugin ``strategies``: named DeepSpeed, FSDP2, DDP and advised strategies.
 
 Every factory imports its strategy class when it is called, so loading the built-ins imports
 neither DeepSpeed nor Lightning's strategy modules.
@@ -60,6 +60,13 @@ def ddp_timeout(**kwargs: Any) -> Any:
     return DDPStrategy(**kwargs)
 
 
+def fsdp2(**kwargs: Any) -> Any:
+    """Build FSDP2 (``fully_shard``) data parallelism that shards the model itself; CPU (gloo) or CUDA."""
+    from lplugins.strategies.fsdp2 import FSDP2Strategy
+
+    return FSDP2Strategy(**kwargs)
+
+
 def advised(trainer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """Build the strategy that :func:`lplugins.strategies.advise` recommends."""
     from lplugins.strategies.advisor import advised_strategy
@@ -80,6 +87,11 @@ def lplugins_register_strategies(register: Register) -> None:
         "ddp_timeout",
         ddp_timeout,
         description="DDP whose process-group timeout is LPLUGINS_PG_TIMEOUT (default 30 min)",
+    )
+    register(
+        "fsdp2",
+        fsdp2,
+        description="FSDP2 (fully_shard) over all ranks, the model sharded by the strategy; CPU (gloo) or CUDA",
     )
     register(
         "advised",

@@ -723,12 +723,10 @@ def _set_ckpt_path(trainer: Trainer, path: str | None) -> None:
 
 
 def _loads_itself(trainer: Trainer) -> bool:
-    """Whether the strategy loads checkpoints without going through its ``CheckpointIO`` (DeepSpeed)."""
+    """Whether the strategy has its own ``load_checkpoint`` (DeepSpeed, FSDP2: they bypass ``CheckpointIO``)."""
     from lightning.pytorch.strategies import Strategy
 
-    return type(trainer.strategy).load_checkpoint is not Strategy.load_checkpoint and hasattr(
-        trainer.strategy, "deepspeed_engine"
-    )
+    return type(trainer.strategy).load_checkpoint is not Strategy.load_checkpoint
 
 
 def _resolving_load(trainer: Trainer, dirpath: str, deep: bool) -> Callable[..., Any]:
@@ -747,6 +745,8 @@ def _resolving_load(trainer: Trainer, dirpath: str, deep: bool) -> Callable[...,
             checkpoint_path = resolved
         else:
             _agree_on_path(trainer, os.fspath(checkpoint_path))
+        if "weights_only" in kwargs and not hasattr(trainer.strategy, "deepspeed_engine"):
+            kwargs["weights_only"] = True  # DeepSpeed's engine loads its own files (docs/checkpoint.md)
         return original(checkpoint_path, *args, **kwargs)
 
     load_checkpoint._lplugins_resolving = True  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""Built-in strategy extensions: DeepSpeed ZeRO on CPU and CUDA, a strategy advisor, one
+"""Built-in strategy extensions: DeepSpeed ZeRO and FSDP2 on CPU and CUDA, a strategy advisor, one
 process-group timeout, and cluster environments.
 
 Importing this package imports neither Lightning nor DeepSpeed; each name is loaded on first use.
@@ -15,12 +15,14 @@ if TYPE_CHECKING:
     from lplugins.strategies.ddp import DDPStrategy
     from lplugins.strategies.deepspeed import DeepSpeedStrategy
     from lplugins.strategies.environments import VariablesEnvironment
+    from lplugins.strategies.fsdp2 import FSDP2Strategy
     from lplugins.strategies.timeout import DEFAULT_PG_TIMEOUT, resolve_timeout
 
 _LAZY = {
     "DeepSpeedStrategy": "lplugins.strategies.deepspeed",
     "DeepSpeedConfigError": "lplugins.strategies._ds_config",
     "DDPStrategy": "lplugins.strategies.ddp",
+    "FSDP2Strategy": "lplugins.strategies.fsdp2",
     "Advice": "lplugins.strategies.advisor",
     "AdvisorError": "lplugins.strategies.advisor",
     "advise": "lplugins.strategies.advisor",
@@ -36,6 +38,7 @@ __all__ = [
     "DDPStrategy",
     "DeepSpeedConfigError",
     "DeepSpeedStrategy",
+    "FSDP2Strategy",
     "VariablesEnvironment",
     "advise",
     "resolve_timeout",

@@ -155,13 +155,14 @@ class Estimate:
     Attributes:
         key: ``"ddp"``, ``"zero2"``, ``"fsdp"``, ``"zero3"`` or ``"zero3_offload"``.
         label: A readable name.
-        strategy: The strategy name to pass to ``lplugins.compose`` (or Lightning, for ``"fsdp"``).
+        strategy: The strategy name to pass to ``lplugins.compose`` (or Lightning, for ``"fsdp"``; on CPU
+            it is lplugins' ``"fsdp2"``).
         bytes_per_param: (weights, gradients, optimizer state) before sharding.
         device_bytes_per_param: What each device holds per parameter of the model.
         device_bytes: Per device, in bytes.
         host_bytes_per_node: Host memory per node for offloaded state, in bytes.
         fits: Whether it fits the device (and, for offload, the host) memory.
-        available: Whether the strategy can run here (FSDP cannot with ``accelerator="cpu"``).
+        available: Whether the strategy can run here (offload is pointless with ``accelerator="cpu"``).
         note: Why it does not fit or is not available.
     """
 
@@ -323,8 +324,8 @@ def advise(
         devices_per_node: Processes (GPUs) per node.
         num_nodes: Nodes.
         host_memory_gib: Host RAM per node in GiB, for offload. Default: this machine's RAM.
-        accelerator: ``"cuda"`` (or ``"gpu"``) or ``"cpu"``. FSDP is not offered on CPU (Lightning
-            refuses it), and offload is pointless there (the device memory is host memory).
+        accelerator: ``"cuda"`` (or ``"gpu"``) or ``"cpu"``. On CPU, FSDP is lplugins' ``"fsdp2"``
+            (Lightning's FSDP refuses CPU), and offload is pointless (the device memory is host memory).
         headroom: Fraction of device memory kept free for activations and buffers (0 <= h < 1).
         prefer_deepspeed: Recommend DeepSpeed ZeRO-3 rather than FSDP when both fit.
 
@@ -389,7 +390,7 @@ def advise(
         device_need = per_param * count
         available, note = True, ""
         if key == "fsdp" and accelerator == "cpu":
-            available, note = False, "Lightning's FSDP refuses accelerator='cpu'"
+            strategy, note = "fsdp2", "FSDP2 (lplugins' 'fsdp2'): Lightning's FSDP refuses accelerator='cpu'"
         if key == "zero3_offload" and accelerator == "cpu":
             available, note = False, "on CPU the device memory is host memory already"
         fits = available and device_need <= usable
@@ -521,14 +522,18 @@ def advised_strategy(
         prefer_deepspeed=prefer_deepspeed,
     )
     log.info("lplugins: advisor\n%s", advice)
-    strategy = _build(advice.key, strategy_kwargs, tk)
+    strategy = _build(advice.key, strategy_kwargs, tk, accelerator)
     strategy.lplugins_advice = advice
     return strategy
 
 
-def _build(key: str, kwargs: dict[str, Any], trainer_kwargs: Mapping[str, Any]) -> Any:
+def _build(key: str, kwargs: dict[str, Any], trainer_kwargs: Mapping[str, Any], accelerator: str = "cuda") -> Any:
     from lplugins.strategies.timeout import resolve_timeout
 
+    if key == "fsdp" and accelerator == "cpu":
+        from lplugins.strategies.fsdp2 import FSDP2Strategy
+
+        return FSDP2Strategy(**kwargs)
     if key == "ddp":
         from lplugins.strategies.ddp import DDPStrategy
 
