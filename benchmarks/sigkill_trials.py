@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -35,7 +36,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lplugins.callbacks import DurableCheckpoint, latest_checkpoint  # noqa: E402
-from lplugins.callbacks._storage import TMP_PREFIX, Storage  # noqa: E402
+from lplugins.callbacks._record import TMP_PREFIX  # noqa: E402
+from lplugins.callbacks._storage import open_storage  # noqa: E402
 
 SAVE_EVERY = 1
 MAX_IN_FLIGHT = 1
@@ -136,7 +138,7 @@ def read_progress(path: str) -> tuple[int | None, int | None]:
 
 def committed_state(ckdir: str) -> tuple[int, int]:
     """(newest committed step, number of committed checkpoints that fail to load)."""
-    storage = Storage(ckdir)
+    storage = open_storage(ckdir)
     bad = 0
     newest = 0
     for record, _marker in storage.records():
@@ -195,6 +197,11 @@ def main() -> int:
     rng = random.Random(args.seed)
     os.makedirs(args.workdir, exist_ok=True)
     ckdir = os.path.join(args.workdir, "ckpts")
+    # a rerun in the same workdir starts from no checkpoint and no progress, as trial 0 expects
+    shutil.rmtree(ckdir, ignore_errors=True)
+    for name in os.listdir(args.workdir):
+        if name.startswith("progress."):
+            os.unlink(os.path.join(args.workdir, name))
     log = os.path.join(args.workdir, "ranks.log")
     tally = {
         "kills": 0, "kills_during_save": 0, "resumes_ok": 0, "resume_failures": 0, "partial_visible": 0,

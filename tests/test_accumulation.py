@@ -326,6 +326,29 @@ def test_lightning_gradient_accumulation_scheduler_alongside_is_an_error() -> No
         trainer.fit(TinyModel())
 
 
+@pytest.mark.parametrize(("manual", "driver"), [(False, "Automatic"), (True, "Manual")])
+def test_the_driver_follows_the_optimization_mode(manual: bool, driver: str) -> None:
+    from lplugins.accumulation._drivers import choose_driver
+
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=1))
+    assert type(choose_driver(trainer, TinyModel(manual=manual), EpochSchedule({0: 2}))).__name__ == driver
+
+
+def test_a_strategy_that_accumulates_itself_but_is_not_deepspeed_is_refused() -> None:
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lplugins.accumulation._drivers import choose_driver
+
+    class SelfAccumulating(SingleDeviceStrategy):
+        @property
+        def handles_gradient_accumulation(self) -> bool:
+            return True
+
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=1, strategy=SelfAccumulating(device=torch.device("cpu"))))
+    with pytest.raises(ScheduleError, match="SelfAccumulating accumulates gradients itself"):
+        choose_driver(trainer, TinyModel(), EpochSchedule({0: 2}))
+
+
 def test_impossible_constant_global_fails_before_the_first_batch() -> None:
     model = TinyModel(batch_size=3)
     with pytest.raises(ScheduleError, match=r"global_batch_size=16 cannot be met with micro_batch_size=3"):

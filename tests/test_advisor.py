@@ -161,7 +161,7 @@ def test_impossible_fit_is_a_clear_error() -> None:
         ({"num_parameters": 0}, "positive"),
         ({"num_parameters": "7B", "optimizer": "adamm"}, "Did you mean 'adam'"),
         ({"num_parameters": "7B", "precision": "fp8"}, "Unknown precision 'fp8'"),
-        ({"num_parameters": "7B", "devices_per_node": 0}, "devices_per_node must be a positive integer"),
+        ({"num_parameters": "7B", "devices_per_node": 0}, "devices_per_node=0 is not allowed; it must be an int >= 1"),
         ({"num_parameters": "7B", "headroom": 1.5}, "headroom"),
         ({"num_parameters": "7B", "accelerator": "tpu"}, "accelerator='tpu'"),
         ({}, "Give either num_parameters or model"),

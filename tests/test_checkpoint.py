@@ -20,7 +20,8 @@ from lplugins.callbacks import (
     latest_checkpoint,
     request_checkpoint,
 )
-from lplugins.callbacks._storage import COMMIT_SUFFIX, Record, Storage
+from lplugins.callbacks._record import COMMIT_SUFFIX, Record
+from lplugins.callbacks._storage import open_storage
 
 STEPS_PER_EPOCH = 4
 
@@ -72,7 +73,7 @@ def names(d: Path) -> list[str]:
 
 
 def steps(d: Path) -> list[int]:
-    return [r.global_step for r in Storage(str(d)).find_committed()]
+    return [r.global_step for r in open_storage(d).find_committed()]
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -220,7 +221,7 @@ def test_pickled_code_payload_is_refused_and_never_run(tmp_path: Path, monkeypat
     good = Path(latest_checkpoint(ckdir) or "")
     evil = torch.load(good, weights_only=True)
     evil["payload"] = Payload()
-    storage = Storage(str(ckdir))
+    storage = open_storage(ckdir)
     rec = Record.from_json((ckdir / (good.name + COMMIT_SUFFIX)).read_bytes())
     rec.name, rec.global_step = "step=000000009-epoch=0000.ckpt", 9
     storage.write_durable(rec.name, lambda target: torch.save(evil, target))
@@ -333,7 +334,7 @@ def test_two_callbacks_in_different_directories_have_distinct_state(tmp_path: Pa
 
 
 def test_slurm_requeue_calls_scontrol_for_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lplugins.callbacks.checkpoint import _slurm_requeue
+    from lplugins.callbacks._preemption import slurm_requeue
 
     fake = tmp_path / "scontrol"
     fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "called"}\n')
@@ -341,11 +342,11 @@ def test_slurm_requeue_calls_scontrol_for_the_job(tmp_path: Path, monkeypatch: p
     with monkeypatch.context() as env:  # undone inside the test: the leak check runs before monkeypatch's undo
         env.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
         env.setenv("SLURM_JOB_ID", "1234")
-        _slurm_requeue()
+        slurm_requeue()
         assert (tmp_path / "called").read_text().split() == ["requeue", "1234"]
         env.setenv("SLURM_ARRAY_JOB_ID", "77")
         env.setenv("SLURM_ARRAY_TASK_ID", "3")
-        _slurm_requeue()
+        slurm_requeue()
         assert (tmp_path / "called").read_text().split() == ["requeue", "77_3"]
 
 

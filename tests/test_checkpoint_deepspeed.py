@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 import lplugins
 from lplugins.callbacks import DurableCheckpoint, latest_checkpoint
-from lplugins.callbacks._storage import Storage
+from lplugins.callbacks._storage import open_storage
 
 
 class Model(pl.LightningModule):
@@ -56,7 +56,7 @@ def fit(max_steps, ckpt_path=None):
 
 t1, cb1, s1 = fit(5, ckpt_path="latest")  # nothing to resume yet: a fresh start
 t2, cb2, s2 = fit(7, ckpt_path="latest")
-records = [(r.name, r.kind, r.global_step, len(r.files)) for r in Storage("ckpts").find_committed()]
+records = [(r.name, r.kind, r.global_step, len(r.files)) for r in open_storage("ckpts").find_committed()]
 with open(f"rank{t2.global_rank}.json", "w") as f:
     json.dump({"starts": [s1.step, s2.step], "records": records, "entries": sorted(os.listdir("ckpts")),
                "latest": latest_checkpoint("ckpts")}, f)

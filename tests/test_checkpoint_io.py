@@ -20,8 +20,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lplugins.callbacks import DurableCheckpoint, _async, latest_checkpoint
 from lplugins.callbacks._async import DeferredCopy, snapshot
-from lplugins.callbacks._storage import COMMIT_SUFFIX, Record, Storage, StreamWriter, crc32_combine
-from lplugins.callbacks.checkpoint import _cpu_storages, _torch_save
+from lplugins.callbacks._crc import crc32_combine
+from lplugins.callbacks._record import COMMIT_SUFFIX, Record
+from lplugins.callbacks._serialization import cpu_storages, torch_save
+from lplugins.callbacks._storage import Storage, open_storage
+from lplugins.callbacks._stream import StreamWriter
 from tests.test_checkpoint import fit, names, steps
 
 
@@ -53,8 +56,8 @@ def test_stream_writer_output_loads_and_its_crc32_is_the_files(tmp_path: Path, c
     path = tmp_path / "x.ckpt"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        with StreamWriter(fd, checksum=checksum, stable=_cpu_storages(state)) as stream:
-            _torch_save(state, stream)
+        with StreamWriter(fd, checksum=checksum, stable=cpu_storages(state)) as stream:
+            torch_save(state, stream)
             crc = stream.finish()
     finally:
         os.close(fd)
@@ -69,15 +72,15 @@ def test_stream_writer_output_loads_and_its_crc32_is_the_files(tmp_path: Path, c
 def test_stream_writer_to_a_file_object_hashes_the_same() -> None:
     state = big_state()
     buffer = io.BytesIO()
-    with StreamWriter(buffer, checksum=True, stable=_cpu_storages(state)) as stream:
-        _torch_save(state, stream)
+    with StreamWriter(buffer, checksum=True, stable=cpu_storages(state)) as stream:
+        torch_save(state, stream)
         crc = stream.finish()
     assert crc == zlib.crc32(buffer.getvalue())
 
 
 def test_committed_marker_holds_the_files_crc32_and_deep_verify_uses_it(tmp_path: Path) -> None:
     fit(DurableCheckpoint(tmp_path, every_n_steps=1, keep_last=None), max_steps=2)
-    for record in Storage(str(tmp_path)).find_committed():
+    for record in open_storage(tmp_path).find_committed():
         assert record.crc32 == zlib.crc32((tmp_path / record.name).read_bytes())
     # torch's own per-record CRCs are not written (the marker's CRC32 replaces them), and yet deep
     # verification accepts the intact checkpoints and rejects one with a flipped byte
@@ -92,14 +95,14 @@ def test_committed_marker_holds_the_files_crc32_and_deep_verify_uses_it(tmp_path
 
 def test_without_crc32_there_is_no_checksum_and_deep_verify_does_not_reject(tmp_path: Path) -> None:
     fit(DurableCheckpoint(tmp_path, every_n_steps=1, keep_last=None, crc32=False), max_steps=2)
-    records = Storage(str(tmp_path)).find_committed()
+    records = open_storage(tmp_path).find_committed()
     assert [r.crc32 for r in records] == [None, None]
     assert latest_checkpoint(tmp_path, deep=True) == str(tmp_path / "step=000000002-epoch=0000.ckpt")
 
 
 def test_a_marker_of_lplugins_0_1_is_deep_checked_by_the_archive_crcs(tmp_path: Path) -> None:
     """Markers written before the whole-file CRC32 have no ``crc32``; their archives carry torch's CRCs."""
-    storage = Storage(str(tmp_path))
+    storage = open_storage(tmp_path)
     for step in (1, 2):
         name = f"step={step:09d}-epoch=0000.ckpt"
         storage.write_durable(name, lambda target: torch.save(big_state(), target))  # torch's default: zip CRCs

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.precision import DoublePrecision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy
 
 import lplugins
 from lplugins import CompositionError, PluginError, PluginManager, UnknownNameError
@@ -154,6 +154,18 @@ def test_registered_precision_becomes_a_plugin(lplugins_manager: PluginManager, 
     assert set(model.seen) == {torch.float64}
 
 
+def test_precision_factory_gets_the_injected_arguments(lplugins_manager: PluginManager, lplugins_register: Any) -> None:
+    seen: dict[str, Any] = {}
+
+    def factory(accelerator: str, strategy: str) -> DoublePrecision:
+        seen.update(accelerator=accelerator, strategy=strategy)
+        return DoublePrecision()
+
+    lplugins_register(_registering("precisions", "probe", factory), "p")
+    lplugins.compose(accelerator="cpu", strategy="ddp", precision="probe")
+    assert seen == {"accelerator": "cpu", "strategy": "ddp"}
+
+
 def test_incompatible_precision_and_accelerator(lplugins_manager: PluginManager, lplugins_register: Any) -> None:
     lplugins_register(_registering("precisions", "gpu-only", DoublePrecision, accelerators=("cuda",)), "p")
     with pytest.raises(CompositionError, match="'gpu-only' does not support accelerator 'cpu'; it supports: cuda"):
@@ -277,8 +289,9 @@ def test_attach_refuses_while_running(lplugins_manager: PluginManager) -> None:
 
     trainer.callbacks.append(TryAttach())
     trainer.fit(BoringModel())
-    assert errors and "before trainer.fit()" in str(errors[0])
-    assert isinstance(SingleDeviceStrategy, type)
+    assert len(errors) == 1 and "before trainer.fit()" in str(errors[0])
+    assert not any(isinstance(cb, Counter) for cb in trainer.callbacks)  # the refused callback was not added
+    assert trainer.state.finished  # and the fit it was refused in ran to its end
 
 
 def test_int_accumulation_with_a_scheduler_callback_is_refused(lplugins_manager: PluginManager) -> None:

@@ -1,12 +1,17 @@
-"""Documentation stays true: every hook documented with its signature; the public API is exact."""
+"""Documentation stays true: every hook documented with its signature; the public API is exact; the
+architecture page names every module, and the imports follow its arrows."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import lplugins
 from lplugins import hookspecs
@@ -57,12 +62,11 @@ def test_import_is_light() -> None:
     assert out[1] == "False", "loading the built-in plugins imported deepspeed"
 
 
-def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, monkeypatch: object) -> None:
-    """The README's quickstart builds real Trainers (``fit`` itself is exercised by the component tests)."""
-    import pytest
+def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's quickstart builds real Trainers (``fit`` itself is exercised by the component tests),
+    run from a temporary directory so that whatever it would write lands there, not in the repository."""
     from lightning.pytorch import Trainer
 
-    assert isinstance(monkeypatch, pytest.MonkeyPatch)
     monkeypatch.chdir(tmp_path)
     text = (DOCS.parent / "README.md").read_text()
     block = text.split("## Quickstart")[1].split("```python")[1].split("```")[0]
@@ -76,3 +80,87 @@ def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, mo
     assert type(trainer.strategy).__name__ == "DeepSpeedStrategy"
     names = {type(cb).__name__ for cb in existing.callbacks}
     assert {"DurableCheckpoint", "MetricsCallback"} <= names
+    # relative paths (dirpath="ckpts", the Trainers' default_root_dir) resolve inside tmp_path
+    durable = [cb for cb in trainer.callbacks if type(cb).__name__ == "DurableCheckpoint"]
+    assert [os.path.abspath(cb.dirpath) for cb in durable] == [str(tmp_path / "ckpts")]
+    assert trainer.default_root_dir == existing.default_root_dir == str(tmp_path)
+
+
+# ------------------------------------------------------------------------ docs/architecture.md
+SRC = DOCS.parent / "src" / "lplugins"
+COMPONENTS = ("callbacks", "accumulation", "precision", "strategies", "rankzero", "metrics")
+FOUNDATION = ("_lightning", "_validate", "_errors", "_exit")
+MACHINERY = ("_manager", "_discovery", "_env", "_hooks", "_mirror", "_registry", "hookspecs")
+
+
+def _module_map() -> set[str]:
+    """The files the architecture page's module map names (a package's line is its ``__init__.py``)."""
+    block = (DOCS / "architecture.md").read_text().split("## Module map")[1].split("```")[1]
+    lines = [line for line in block.splitlines()[1:] if line.strip()]
+    assert lines[0] == "src/lplugins/", "the module map starts at src/lplugins/"
+    paths, stack = set(), []
+    for line in lines[1:]:
+        depth = (len(line) - len(line.lstrip(" "))) // 2 - 1
+        name = line.split()[0]
+        stack[depth:] = [name.rstrip("/")]
+        if name.endswith("/"):
+            paths.add("/".join([*stack, "__init__.py"]))
+        else:
+            paths.add("/".join(stack))
+    return paths
+
+
+def test_architecture_module_map_matches_the_tree() -> None:
+    on_disk = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")}
+    in_map = _module_map()
+    assert not on_disk - in_map, f"docs/architecture.md: add to the module map: {sorted(on_disk - in_map)}"
+    assert not in_map - on_disk, f"docs/architecture.md: no longer exist: {sorted(in_map - on_disk)}"
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """The lplugins modules ``path`` imports, each with whether the import is at module level."""
+    tree = ast.parse(path.read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inner = {id(node) for f in functions for node in ast.walk(f)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "lplugins":
+                names = [f"lplugins.{a.name}" for a in node.names]
+            else:
+                names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("lplugins.") or name == "lplugins":
+                found.append((name, id(node) not in inner))
+    return found
+
+
+def _area(module: str) -> str:
+    """``lplugins.callbacks._writer`` -> ``callbacks``; ``lplugins._manager`` -> ``_manager``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "lplugins"
+
+
+def test_import_arrows_point_down() -> None:
+    """The rules of docs/architecture.md ("The arrows"), checked on every module's imports."""
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
+        area = rel.split(".")[0]
+        for target, module_level in _imports(path):
+            to = _area(target)
+            if area in COMPONENTS and to not in (area, *FOUNDATION):
+                wrong.append(f"{rel} (a component) imports {target}")
+            if area in FOUNDATION and to not in FOUNDATION:
+                wrong.append(f"{rel} (the foundation) imports {target}")
+            if area == "hookspecs":
+                wrong.append(f"hookspecs imports {target}: the contract imports nothing from lplugins")
+            if area in MACHINERY and to in (*COMPONENTS, "_builtins", "_compose", "lplugins"):
+                wrong.append(f"{rel} (the manager/registry) imports {target}")
+            if area == "_builtins" and module_level and to not in ("hookspecs", *FOUNDATION):
+                wrong.append(f"{rel} (a built-in) imports {target} at module level: import it inside the factory")
+    assert not wrong, "imports against the arrows of docs/architecture.md:\n  " + "\n  ".join(wrong)

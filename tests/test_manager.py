@@ -293,3 +293,80 @@ def test_fresh_manager_shadows_and_restores_the_default_managers_strategies(fake
     finally:
         outer.close()
     assert "shadow_ddp" not in StrategyRegistry
+
+
+def test_the_kinds_table_is_the_contract(manager: PluginManager) -> None:
+    """Each row of hookspecs.KINDS: its hook exists with the row's Register type, whose keywords are the row's."""
+    import inspect
+
+    from lplugins import hookspecs
+
+    base = {"self", "name", "factory", "description", "defaults"}
+    for kind in hookspecs.KINDS:
+        spec = getattr(hookspecs, kind.hook)
+        assert inspect.signature(spec).parameters["register"].annotation == kind.register.__name__, kind.hook
+        keywords = set(inspect.signature(kind.register.__call__).parameters) - base
+        assert keywords == kind.keywords, kind.name
+        assert manager.registry(kind.name).kind == kind.name
+    assert {k.hook for k in hookspecs.KINDS} == {n for n in dir(hookspecs) if n.startswith("lplugins_register_")}, (
+        "every registering hook has a row in KINDS"
+    )
+
+
+def test_register_errors_are_lplugins_errors() -> None:
+    from lplugins._errors import RegistrationError
+    from lplugins._registry import KIND_BY_NAME, Registrar
+
+    register = Registrar(KIND_BY_NAME["precision"], "p", [])
+    register("ok", DDPStrategy, accelerators=("cpu",))
+    for args, kwargs, match in [
+        (("has space", DDPStrategy), {}, "Invalid precision name"),
+        (("x", 42), {}, "must be callable"),
+        (("x", DDPStrategy), {"defaults": [1]}, "must be a mapping"),
+        (("x", DDPStrategy), {"detect": bool}, r"unexpected keyword\(s\) \['detect'\]"),
+        (("ok", DDPStrategy), {}, "registered twice"),
+    ]:
+        with pytest.raises(RegistrationError, match=match) as info:
+            register(*args, **kwargs)
+        assert isinstance(info.value, LPluginsError) and isinstance(info.value, (TypeError, ValueError))
+
+
+def test_one_plugin_may_use_a_name_in_two_kinds(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=[])
+
+    def lplugins_register_callbacks(register: Any) -> None:
+        register("twin", lambda: None)
+
+    def lplugins_register_schedules(register: Any) -> None:
+        register("twin", lambda: None)
+
+    info = manager.register(
+        _plugin(
+            lplugins_register_callbacks=lplugins_register_callbacks,
+            lplugins_register_schedules=lplugins_register_schedules,
+        ),
+        "twins",
+    )
+    assert info.registered == {"schedule": ["twin"], "callback": ["twin"]}
+
+
+def test_unknown_kind_is_named(manager: PluginManager) -> None:
+    with pytest.raises(
+        lplugins.UnknownNameError, match=r"Unknown component kind 'strategies'.*Did you mean 'strategy'"
+    ):
+        manager.registry("strategies")
+
+
+def test_the_kinds_table_in_the_docs_matches_hookspecs() -> None:
+    from pathlib import Path
+
+    from lplugins import hookspecs
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+
+    def cell(names: Any) -> str:
+        return ", ".join(f"`{n}`" for n in sorted(names)) or "—"
+
+    expected = [f"| `{k.name}` | `{k.hook}` | {cell(k.keywords)} | {cell(k.injected)} |" for k in hookspecs.KINDS]
+    assert rows == expected

@@ -76,6 +76,20 @@ def test_plain_trainer_gets_the_strategy_by_name(lplugins_manager: lplugins.Plug
     assert trainer.strategy.config["zero_optimization"]["stage"] == 2
 
 
+@needs_deepspeed
+def test_set_gradient_accumulation_steps_errors_are_lplugins_errors() -> None:
+    from lplugins.strategies import DeepSpeedConfigError
+    from lplugins.strategies.deepspeed import DeepSpeedEngineNotReady, DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(stage=2)
+    with pytest.raises(DeepSpeedConfigError, match="steps=0 is not allowed") as bad:
+        strategy.set_gradient_accumulation_steps(0)
+    assert isinstance(bad.value, ValueError) and isinstance(bad.value, lplugins.LPluginsError)
+    with pytest.raises(DeepSpeedEngineNotReady, match="not set up yet") as early:
+        strategy.set_gradient_accumulation_steps(2)
+    assert isinstance(early.value, RuntimeError) and isinstance(early.value, lplugins.LPluginsError)
+
+
 LAZY_SCRIPT = r"""
 import json, sys
 import lplugins

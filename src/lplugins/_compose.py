@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from lplugins._errors import CompositionError, UnknownNameError, closest
+from lplugins import _lightning
+from lplugins._errors import CompositionError, UnknownNameError
 from lplugins._manager import PluginManager, get_manager
+from lplugins._validate import did_you_mean, is_int
 from lplugins.precision._auto import LIGHTNING_PRECISIONS, choose_precision, probe_capabilities, resolve_accelerator
 
 if TYPE_CHECKING:
@@ -85,13 +86,13 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
         if detected is not None:
             resolved_plugins.append(detected)
 
-    accumulation = out.get("accumulate_grad_batches")
-    if accumulation is not None and not (isinstance(accumulation, int) and not isinstance(accumulation, bool)):
+    accumulation: Any = out.get("accumulate_grad_batches")
+    if accumulation is not None and not is_int(accumulation):
         out.pop("accumulate_grad_batches")
         callbacks.append(_resolve_accumulation(manager, accumulation))
 
     resolved_callbacks = [_resolve_callback(manager, cb) for cb in callbacks]
-    if isinstance(accumulation, int) and not isinstance(accumulation, bool) and accumulation > 1:
+    if is_int(accumulation) and accumulation > 1:
         from lplugins.accumulation import AccumulationScheduler
 
         if any(isinstance(cb, AccumulationScheduler) for cb in resolved_callbacks):
@@ -128,7 +129,6 @@ def attach(trainer: Trainer, *callbacks: Callback | str, manager: PluginManager 
         CompositionError: the Trainer is running, or a stateful callback would be duplicated.
         UnknownNameError: an unknown callback name.
     """
-    from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
     from lightning.pytorch.trainer.states import TrainerStatus
 
     if trainer.state.status == TrainerStatus.RUNNING:
@@ -139,7 +139,7 @@ def attach(trainer: Trainer, *callbacks: Callback | str, manager: PluginManager 
     new = [_resolve_callback(manager, cb) for cb in callbacks]
     existing: list[Callback] = list(getattr(trainer, "callbacks", []))
     _check_duplicates(existing + new)
-    trainer.callbacks = _CallbackConnector._reorder_callbacks(existing + new)  # type: ignore[attr-defined]
+    trainer.callbacks = _lightning.reorder_callbacks(existing + new)  # type: ignore[attr-defined]  # set in Trainer()
     return new
 
 
@@ -163,10 +163,9 @@ def _check_trainer_arguments(kwargs: Mapping[str, Any]) -> None:
         _TRAINER_PARAMS = frozenset(inspect.signature(Trainer.__init__).parameters) - {"self"}
     for key in kwargs:
         if key not in _TRAINER_PARAMS:
-            hint = closest(key, _TRAINER_PARAMS)
             raise CompositionError(
                 f"Unknown Trainer argument {key!r}."
-                + (f" Did you mean {hint!r}?" if hint else "")
+                + did_you_mean(key, _TRAINER_PARAMS)
                 + " See lightning.pytorch.Trainer for the accepted arguments."
             )
 
@@ -177,15 +176,9 @@ def _lightning_strategy_names() -> list[str]:
     return ["auto", *StrategyRegistry.available_strategies()]
 
 
-def _wants_trainer_kwargs(factory: Any) -> bool:
-    try:
-        return "trainer_kwargs" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _resolve_strategy(manager: PluginManager, spec: Any, trainer_kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
-    """A name or ``{"name": ..., **params}``; a factory with a ``trainer_kwargs`` parameter gets them."""
+    """A name or ``{"name": ..., **params}``; a factory with a ``trainer_kwargs`` parameter gets them
+    (unless ``params`` has them)."""
     registry = manager.registry("strategy")
     params: dict[str, Any] = {}
     if isinstance(spec, Mapping):
@@ -199,9 +192,8 @@ def _resolve_strategy(manager: PluginManager, spec: Any, trainer_kwargs: Mapping
         name = spec
     if name in registry:
         component = registry.get(name)
-        if _wants_trainer_kwargs(component.factory):
-            params.setdefault("trainer_kwargs", MappingProxyType(dict(trainer_kwargs)))
-        return component, component.create(**params)
+        injected = component.injected({"trainer_kwargs": MappingProxyType(dict(trainer_kwargs))})
+        return component, component.create(**{**injected, **params})
     lightning_names = _lightning_strategy_names()
     if name in lightning_names:
         return None, name
@@ -267,16 +259,8 @@ def _resolve_precision(
 
 def _create_precision(component: Any, accelerator: str, strategy: Any, strategy_component: Any) -> Any:
     """Create a registered precision; a factory that declares ``accelerator``/``strategy`` gets them."""
-    try:
-        params = inspect.signature(component.factory).parameters
-    except (TypeError, ValueError):
-        params = {}  # type: ignore[assignment]
-    extra: dict[str, Any] = {}
-    if "accelerator" in params:
-        extra["accelerator"] = accelerator
-    if "strategy" in params:
-        extra["strategy"] = _strategy_label(strategy, strategy_component)
-    return component.create(**extra)
+    available = {"accelerator": accelerator, "strategy": _strategy_label(strategy, strategy_component)}
+    return component.create(**component.injected(available))
 
 
 def _strategy_class(strategy: Any) -> type | None:
@@ -293,29 +277,18 @@ def _strategy_class(strategy: Any) -> type | None:
 
 def _check_lightning_precision(precision: str, strategy: Any, strategy_component: Any) -> None:
     """Refuse, before training, a Lightning precision string that the strategy's own precision plugin rejects."""
-    from typing import get_args
-
     cls = _strategy_class(strategy)
     if cls is None:
         return
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     if issubclass(cls, DeepSpeedStrategy):
-        from lightning.fabric.plugins.precision.deepspeed import _PRECISION_INPUT as DS_INPUT
-
-        allowed, family = get_args(DS_INPUT), "DeepSpeed"
+        allowed, family = _lightning.strategy_precisions("deepspeed"), "DeepSpeed"
     elif issubclass(cls, FSDPStrategy):
-        from lightning.fabric.plugins.precision.fsdp import _PRECISION_INPUT as FSDP_INPUT
-
-        allowed, family = get_args(FSDP_INPUT), "FSDP"
+        allowed, family = _lightning.strategy_precisions("fsdp"), "FSDP"
     else:
         return
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning warns about the old spellings ('bf16', 16); we only normalise
-        unified = _convert_precision_to_unified_args(precision)  # type: ignore[arg-type]
-    if unified not in allowed:
+    if _lightning.unified_precision(precision) not in allowed:
         label = _strategy_label(strategy, strategy_component)
         raise CompositionError(
             f"Precision {precision!r} cannot be used with strategy {label!r} ({family} uses its own precision "

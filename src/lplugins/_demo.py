@@ -159,7 +159,7 @@ def _build(args: argparse.Namespace, out: Path) -> tuple[Any, Any, Any, dict[str
     accelerator = "cpu"
     chosen, reason = (args.precision, "given on the command line")
     if args.precision == "auto":
-        chosen, reason = choose_precision(accelerator, probe_capabilities(accelerator))
+        chosen, reason = choose_precision(accelerator, probe_capabilities(accelerator), lplugins.get_manager())
     kwargs = lplugins.compose(
         strategy=args.strategy,
         accelerator=accelerator,

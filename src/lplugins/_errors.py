@@ -6,7 +6,6 @@ Every error names the offending value and says what is allowed, in the style of 
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 
 
@@ -76,18 +75,27 @@ class UnknownNameError(LPluginsError, ValueError):
 
 def unknown_name_message(kind: str, name: object, available: Iterable[str]) -> str:
     """Build the message for an unknown name, with the closest match if there is one."""
+    from lplugins._validate import did_you_mean  # _validate imports this module
+
     names = sorted(available)
     msg = f"Unknown {kind} {name!r}. Available {kind} names: {', '.join(names) if names else '(none)'}."
-    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
-    if close:
-        msg += f" Did you mean {close[0]!r}?"
-    return msg
+    return msg + did_you_mean(name, names)
 
 
 def closest(name: str, choices: Iterable[str]) -> str | None:
-    """Return the closest of ``choices`` to ``name`` or ``None``."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return close[0] if close else None
+    """Return the closest of ``choices`` to ``name`` or ``None`` (:func:`lplugins._validate.suggest`)."""
+    from lplugins._validate import suggest  # _validate imports this module
+
+    return suggest(name, choices)
+
+
+class RegistrationError(LPluginsError, TypeError, ValueError):
+    """A plugin called ``register(...)`` with a bad argument.
+
+    An invalid name, a factory that is not callable, ``defaults`` that are not a mapping, a keyword
+    its kind does not accept, or a name registered twice. (It is a ``TypeError`` and a ``ValueError``
+    as the checks were before it existed.) The manager reports it as a :class:`PluginError`.
+    """
 
 
 class CompositionError(LPluginsError, ValueError):

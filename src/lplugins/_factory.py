@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lplugins._manager import env_flag, get_manager
+from lplugins._env import AUTO_CALLBACKS, env_flag
+from lplugins._manager import get_manager
 
 #: Set to 1 to enable zero-code mode.
-ENV_VAR = "LPLUGINS_AUTO_CALLBACKS"
+ENV_VAR = AUTO_CALLBACKS
 
 
 def callbacks_factory() -> list[Any]:

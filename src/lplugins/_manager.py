@@ -1,194 +1,48 @@
-"""Plugin discovery and registration.
+"""The plugin manager: registering plugins, all or nothing, and the process-wide manager.
 
 Built-in plugins and entry-point plugins go through one path: :meth:`PluginManager.register`,
-which validates the plugin's hooks, calls its registering hooks into a staging area, checks every
+which validates the plugin's hooks, calls its registering hooks into a staging list, checks every
 name against what is already registered (and against Lightning's ``StrategyRegistry``), and only
 then commits. A plugin that fails at any step leaves nothing behind.
+
+Around it: :mod:`lplugins._env` reads the ``LPLUGINS_*`` controls, :mod:`lplugins._discovery`
+finds the plugins, :mod:`lplugins._mirror` keeps Lightning's ``StrategyRegistry`` in step, and
+:mod:`lplugins.hookspecs` says which hooks register which kind.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pluggy
 
 from lplugins import hookspecs
-from lplugins._errors import LPluginsError, PluginError, closest
-from lplugins._registry import KINDS, Component, Registry, validate_name
+from lplugins._discovery import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, Candidate, PluginInfo, candidates, check_blockable
+from lplugins._env import DISABLE, STRICT, Controls, env_flag
+from lplugins._errors import LPluginsError, PluginError
+from lplugins._hooks import HookManager, StageError
+from lplugins._mirror import MIRRORED_BY_LPLUGINS, StrategyMirror, foreign_strategy_names
+from lplugins._registry import Component, Registry, kind_named
 
-#: The entry-point group that third-party plugins are published under.
-ENTRY_POINT_GROUP = "lplugins"
+__all__ = [
+    "BUILTIN_PLUGINS",
+    "ESSENTIAL_PLUGINS",
+    "PluginInfo",
+    "PluginManager",
+    "PluginWarning",
+    "get_manager",
+    "load",
+    "set_manager",
+]
 
-#: Built-in plugins, in load order: ``(name, module)``. They are registered through the same
-#: path as entry-point plugins, so each can be listed and blocked by name.
-BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("core", "lplugins._builtins.core"),
-    ("strategies", "lplugins._builtins.strategies"),
-    ("precision", "lplugins._builtins.precision"),
-    ("accumulation", "lplugins._builtins.accumulation"),
-    ("checkpoint", "lplugins._builtins.checkpoint"),
-    ("logging", "lplugins._builtins.logging"),
-)
-
-#: Built-ins that cannot be blocked: without them, Lightning's own names would not resolve.
-ESSENTIAL_PLUGINS: frozenset[str] = frozenset({"core"})
-
-_REGISTER_HOOKS: Mapping[str, str] = {
-    "lplugins_register_strategies": "strategy",
-    "lplugins_register_precisions": "precision",
-    "lplugins_register_schedules": "schedule",
-    "lplugins_register_callbacks": "callback",
-    "lplugins_register_cluster_environments": "cluster_environment",
-}
-
-_HOOK_PREFIX = "lplugins_"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+#: Kept under its old name for tests that look at the mirror's bookkeeping.
+_MIRRORED_BY_LPLUGINS = MIRRORED_BY_LPLUGINS
 
 
-def env_flag(name: str, default: bool = False) -> bool:
-    """Read a boolean environment variable (``1/true/yes/on`` or ``0/false/no/off``).
-
-    Raises:
-        LPluginsError: the value is neither.
-    """
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise LPluginsError(f"{name}={raw!r} is not a boolean; use one of 1, true, yes, on, 0, false, no, off.")
-
-
-def env_list(name: str) -> list[str] | None:
-    """Read a comma-separated environment variable; ``None`` when unset."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    return [item.strip() for item in raw.split(",") if item.strip()]
-
-
-@dataclass
-class PluginInfo:
-    """What lplugins knows about one plugin.
-
-    Attributes:
-        name: The plugin's name: the entry-point name, or the built-in's name.
-        distribution: The distribution that provides it (``"lplugins"`` for built-ins).
-        version: The distribution's version.
-        entry_point: ``"name = value"`` of the entry point, ``None`` for built-ins and in-process plugins.
-        builtin: Whether lplugins ships it.
-        status: ``"loaded"``, ``"blocked"`` or ``"failed"``.
-        registered: The names it registered, by kind.
-        error: Why it failed, when it failed.
-    """
-
-    name: str
-    distribution: str | None = None
-    version: str | None = None
-    entry_point: str | None = None
-    builtin: bool = False
-    status: str = "loaded"
-    registered: dict[str, list[str]] = field(default_factory=dict)
-    error: str | None = None
-    contributes_callbacks: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (used by ``lplugins list --json``)."""
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "entry_point": self.entry_point,
-            "builtin": self.builtin,
-            "status": self.status,
-            "registered": {k: list(v) for k, v in self.registered.items() if v},
-            "contributes_callbacks": self.contributes_callbacks,
-            "error": self.error,
-        }
-
-
-class _PluggyManager(pluggy.PluginManager):
-    """pluggy's manager that, like pytest's, takes ``lplugins_*`` functions without a marker."""
-
-    def parse_hookimpl_opts(self, plugin: object, name: str) -> pluggy.HookimplOpts | None:
-        opts = super().parse_hookimpl_opts(plugin, name)
-        if opts is None and name.startswith(_HOOK_PREFIX):
-            method = getattr(plugin, name, None)
-            if callable(method) and not isinstance(method, type):
-                return {
-                    "wrapper": False,
-                    "hookwrapper": False,
-                    "optionalhook": False,
-                    "tryfirst": False,
-                    "trylast": False,
-                    "specname": None,
-                }
-        return opts
-
-
-class _Registrar:
-    """The ``register`` callable handed to a registering hook; collects into a staging list."""
-
-    def __init__(self, kind: str, plugin: str, staged: list[Component]) -> None:
-        self.kind = kind
-        self.plugin = plugin
-        self.staged = staged
-
-    def __call__(
-        self,
-        name: str,
-        factory: Callable[..., Any],
-        *,
-        description: str = "",
-        defaults: Mapping[str, Any] | None = None,
-        **metadata: Any,
-    ) -> None:
-        validate_name(self.kind, name)
-        if not callable(factory):
-            raise TypeError(f"The factory for {self.kind} {name!r} must be callable, got {factory!r}.")
-        unknown = set(metadata) - KINDS[self.kind]
-        if unknown:
-            allowed = sorted(KINDS[self.kind]) or ["(none)"]
-            raise TypeError(
-                f"register() for a {self.kind} got unexpected keyword(s) {sorted(unknown)}; "
-                f"allowed extra keywords: {', '.join(allowed)}."
-            )
-        if defaults is not None and not isinstance(defaults, Mapping):
-            raise TypeError(f"defaults for {self.kind} {name!r} must be a mapping, got {defaults!r}.")
-        if any(c.name == name for c in self.staged):
-            raise ValueError(f"{self.kind} {name!r} is registered twice by the same plugin.")
-        self.staged.append(
-            Component(
-                kind=self.kind,
-                name=name,
-                factory=factory,
-                description=str(description or ""),
-                plugin=self.plugin,
-                defaults=dict(defaults or {}),
-                metadata=dict(metadata),
-            )
-        )
-
-
-#: Strategy names that some lplugins manager in this process mirrored into Lightning's registry,
-#: with how many managers currently hold each (a test's fresh manager may shadow the default one's).
-_MIRRORED_BY_LPLUGINS: dict[str, int] = {}
-
-
-def _lightning_strategy_registry() -> Any:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    return StrategyRegistry
+class PluginWarning(UserWarning):
+    """A plugin failed in lenient mode and was skipped."""
 
 
 class PluginManager:
@@ -206,15 +60,13 @@ class PluginManager:
     """
 
     def __init__(self, *, strict: bool | None = None, mirror_lightning: bool = True) -> None:
-        self.strict = env_flag("LPLUGINS_STRICT", True) if strict is None else strict
+        self.strict = env_flag(STRICT, True) if strict is None else strict
         self.mirror_lightning = mirror_lightning
-        self._pm = _PluggyManager(hookspecs.PROJECT_NAME)
-        self._pm.add_hookspecs(hookspecs)
-        self._registries = {kind: Registry(kind) for kind in KINDS}
+        self._pm = HookManager()
+        self._registries = {kind.name: Registry(kind.name) for kind in hookspecs.KINDS}
         self._plugins: dict[str, PluginInfo] = {}
         self._objects: dict[str, object] = {}
-        self._mirrored: set[str] = set()
-        self._shadowed: dict[str, Any] = {}
+        self._mirror = StrategyMirror()
         self.loaded = False
 
     # ------------------------------------------------------------------ queries
@@ -224,11 +76,12 @@ class PluginManager:
         return self._pm.hook
 
     def registry(self, kind: str) -> Registry:
-        """The registry of one kind of component (``"strategy"``, ``"precision"``, ...)."""
-        try:
-            return self._registries[kind]
-        except KeyError:
-            raise ValueError(f"Unknown component kind {kind!r}. Allowed kinds: {', '.join(KINDS)}.") from None
+        """The registry of one kind of component (``"strategy"``, ``"precision"``, ...).
+
+        Raises:
+            UnknownNameError: no kind has that name.
+        """
+        return self._registries[kind_named(kind).name]
 
     def get(self, kind: str, name: str) -> Component:
         """Return the registered component ``name`` of ``kind``.
@@ -243,7 +96,11 @@ class PluginManager:
         return list(self._plugins.values())
 
     def plugin(self, name: str) -> PluginInfo:
-        """The :class:`PluginInfo` of one plugin."""
+        """The :class:`PluginInfo` of one plugin.
+
+        Raises:
+            LPluginsError: no plugin has that name.
+        """
         try:
             return self._plugins[name]
         except KeyError:
@@ -288,101 +145,36 @@ class PluginManager:
         """
         if self.loaded:
             return self
-        if autoload is None:
-            autoload = not env_flag("LPLUGINS_DISABLE_AUTOLOAD")
-        allow_list = list(allow) if allow is not None else env_list("LPLUGINS_PLUGINS")
-        blocked = set(disable if disable is not None else env_list("LPLUGINS_DISABLE") or [])
-        for name in sorted(blocked & ESSENTIAL_PLUGINS):
-            raise LPluginsError(
-                f"Plugin {name!r} is essential and cannot be blocked (essential plugins: "
-                f"{', '.join(sorted(ESSENTIAL_PLUGINS))}). Remove it from LPLUGINS_DISABLE / disable=."
-            )
-        seen_names: set[str] = set()
-
-        for name, module_name in BUILTIN_PLUGINS:
-            seen_names.add(name)
-            if name in blocked or ("lplugins" in blocked and name not in ESSENTIAL_PLUGINS):
-                self._record_blocked(name, "lplugins", _own_version(), None, builtin=True)
-                continue
-            try:
-                module = importlib.import_module(module_name)
-            except Exception as exc:  # a broken built-in is a bug, but still reported like any plugin
-                self._fail(
-                    PluginError(
-                        f"cannot import {module_name}: {exc!r}", plugin=name, distribution="lplugins", stage="import"
-                    ),
-                    exc,
-                    builtin=True,
-                )
-                continue
-            self.register(module, name, distribution="lplugins", version=_own_version(), builtin=True)
-
-        if autoload or allow_list:
-            entry_points = _discover_entry_points()
-            if allow_list is not None:
-                available = {ep.name for ep, _, _ in entry_points} | {d for _, d, _ in entry_points if d}
-                for wanted in allow_list:
-                    if wanted not in available:
-                        hint = closest(wanted, available)
-                        raise LPluginsError(
-                            f"LPLUGINS_PLUGINS / allow= names {wanted!r}, but no installed plugin has that name. "
-                            f"Installed entry-point plugins: {', '.join(sorted(available)) or '(none)'}."
-                            + (f" Did you mean {hint!r}?" if hint else "")
-                        )
-            for ep, dist_name, dist_version in entry_points:
-                seen_names.add(ep.name)
-                if dist_name is not None:
-                    seen_names.add(dist_name)
-                if allow_list is not None and ep.name not in allow_list and dist_name not in allow_list:
-                    continue
-                ep_text = f"{ep.name} = {ep.value}"
-                if ep.name in blocked or dist_name in blocked:
-                    self._record_blocked(ep.name, dist_name, dist_version, ep_text, builtin=False)
-                    continue
-                self._load_entry_point(ep, dist_name, dist_version, ep_text)
-
-        for name in sorted(blocked - seen_names):
+        controls = Controls.resolve(autoload, allow, disable)
+        check_blockable(controls.blocked)
+        seen: set[str] = set()
+        for candidate in candidates(controls):
+            seen |= candidate.names
+            if candidate.action == "block":
+                self._record_blocked(candidate.info)
+            elif candidate.action == "load":
+                self._load_candidate(candidate)
+        for name in sorted(controls.blocked - seen):
             warnings.warn(
-                f"LPLUGINS_DISABLE / disable= names {name!r}, which matches no plugin; nothing was blocked for it.",
+                f"{DISABLE} / disable= names {name!r}, which matches no plugin; nothing was blocked for it.",
                 stacklevel=2,
             )
         self.loaded = True
         return self
 
-    def _load_entry_point(
-        self, ep: importlib.metadata.EntryPoint, dist: str | None, version: str | None, ep_text: str
-    ) -> None:
-        if ep.name in self._plugins and self._plugins[ep.name].status == "loaded":
-            other = self._plugins[ep.name]
-            self._fail(
-                PluginError(
-                    f"another plugin of the same name is already registered (from {other.distribution}); "
-                    f"block one of them with LPLUGINS_DISABLE",
-                    plugin=ep.name,
-                    distribution=dist,
-                    version=version,
-                    entry_point=ep_text,
-                    stage="register",
-                ),
-                None,
-            )
+    def _load_candidate(self, candidate: Candidate) -> None:
+        info = candidate.info
+        other = self._plugins.get(info.name)
+        if not info.builtin and other is not None and other.status == "loaded":
+            message = f"another plugin of the same name is already registered (from {other.distribution}); "
+            self._fail(info.failure(message + f"block one of them with {DISABLE}", "register"), None, info)
             return
         try:
-            obj = ep.load()
-        except Exception as exc:
-            self._fail(
-                PluginError(
-                    f"error importing plugin: {type(exc).__name__}: {exc}",
-                    plugin=ep.name,
-                    distribution=dist,
-                    version=version,
-                    entry_point=ep_text,
-                    stage="import",
-                ),
-                exc,
-            )
+            plugin = candidate.load()
+        except PluginError as exc:
+            self._fail(exc, exc.__cause__, info)
             return
-        self.register(obj, ep.name, distribution=dist, version=version, entry_point=ep_text)
+        self._register(plugin, info)
 
     def register(
         self,
@@ -416,22 +208,12 @@ class PluginManager:
         """
         if name is None:
             name = getattr(plugin, "__name__", None) or type(plugin).__name__
-        info = PluginInfo(
-            name=name, distribution=distribution, version=version, entry_point=entry_point, builtin=builtin
-        )
+        return self._register(plugin, PluginInfo(name, distribution, version, entry_point, builtin))
 
-        def error(message: str, stage: str) -> PluginError:
-            return PluginError(
-                message,
-                plugin=name,
-                distribution=distribution,
-                version=version,
-                entry_point=entry_point,
-                stage=stage,
-            )
-
-        if name in self._plugins and self._plugins[name].status == "loaded":
-            return self._fail(error("a plugin of that name is already registered", "register"), None, info=info)
+    def _register(self, plugin: object, info: PluginInfo) -> PluginInfo:
+        name = info.name
+        if self.is_loaded(name):
+            return self._fail(info.failure("a plugin of that name is already registered", "register"), None, info)
         if self._pm.is_blocked(name):
             info.status = "blocked"
             self._plugins[name] = info
@@ -439,24 +221,22 @@ class PluginManager:
         try:
             self._pm.register(plugin, name)
         except pluggy.PluginValidationError as exc:
-            return self._fail(error(f"invalid hook implementation: {exc}", "validate"), exc, info=info)
-        except ValueError as exc:
-            return self._fail(error(str(exc), "register"), exc, info=info)
+            return self._fail(info.failure(f"invalid hook implementation: {exc}", "validate"), exc, info)
+        except ValueError as exc:  # pluggy: the object or the name is already registered
+            return self._fail(info.failure(str(exc), "register"), exc, info)
 
         try:
-            self._check_hook_names(plugin, name)
-            staged = self._call_register_hooks(plugin, name)
+            self._pm.check_hook_names(plugin)
+            staged = self._pm.stage_components(plugin, name)
             self._check_conflicts(staged, name)
-        except _StageError as exc:
+        except StageError as exc:
             self._pm.unregister(plugin, name)
-            return self._fail(error(exc.message, exc.stage), exc.__cause__, info=info)
+            return self._fail(info.failure(exc.message, exc.stage), exc.__cause__, info)
 
         for component in staged:
             self._commit(component)
             info.registered.setdefault(component.kind, []).append(component.name)
-        info.contributes_callbacks = any(
-            impl.plugin is plugin for impl in self._pm.hook.lplugins_trainer_callbacks.get_hookimpls()
-        )
+        info.contributes_callbacks = self._pm.contributes_callbacks(plugin)
         self._plugins[name] = info
         self._objects[name] = plugin
         return info
@@ -472,8 +252,8 @@ class PluginManager:
         for kind, names in info.registered.items():
             for component_name in names:
                 self._registries[kind]._remove(component_name)
-                if kind == "strategy" and component_name in self._mirrored:
-                    self._unmirror(component_name)
+                if kind == "strategy":
+                    self._mirror.remove(component_name)
 
     def close(self) -> None:
         """Unregister every plugin; the manager can then be loaded again."""
@@ -481,83 +261,39 @@ class PluginManager:
             self.unregister(name)
         self.loaded = False
 
-    # ------------------------------------------------------------------ internals
-    def _record_blocked(
-        self, name: str, distribution: str | None, version: str | None, entry_point: str | None, *, builtin: bool
-    ) -> None:
-        self._pm.set_blocked(name)
-        self._plugins[name] = PluginInfo(
-            name=name,
-            distribution=distribution,
-            version=version,
-            entry_point=entry_point,
-            builtin=builtin,
-            status="blocked",
-        )
+    # ------------------------------------------------------------------ staging and commit
+    def _record_blocked(self, info: PluginInfo) -> None:
+        self._pm.set_blocked(info.name)
+        info.status = "blocked"
+        self._plugins[info.name] = info
 
-    def _fail(
-        self, exc: PluginError, cause: BaseException | None, *, info: PluginInfo | None = None, builtin: bool = False
-    ) -> PluginInfo:
+    def _fail(self, exc: PluginError, cause: BaseException | None, info: PluginInfo) -> PluginInfo:
+        """Raise ``exc`` (strict mode), or list the plugin as failed and warn."""
         if self.strict:
             raise exc from cause
-        if info is None:
-            info = PluginInfo(
-                name=exc.plugin,
-                distribution=exc.distribution,
-                version=exc.version,
-                entry_point=exc.entry_point,
-                builtin=builtin,
-            )
         info.status = "failed"
         info.error = str(exc)
         info.registered = {}
-        if exc.plugin not in self._plugins or self._plugins[exc.plugin].status != "loaded":
-            self._plugins[exc.plugin] = info
+        if not self.is_loaded(info.name):
+            self._plugins[info.name] = info
         warnings.warn(f"{exc} (skipped; lenient mode)", PluginWarning, stacklevel=3)
         return info
 
-    def _check_hook_names(self, plugin: object, name: str) -> None:
-        for caller in self._pm.get_hookcallers(plugin) or []:
-            if caller.spec is None:
-                known = [n for n in dir(hookspecs) if n.startswith(_HOOK_PREFIX)]
-                hint = closest(caller.name, known)
-                raise _StageError(
-                    f"unknown hook {caller.name!r}; lplugins hooks are: {', '.join(known)}"
-                    + (f". Did you mean {hint!r}?" if hint else ""),
-                    "validate",
-                )
-
-    def _call_register_hooks(self, plugin: object, name: str) -> list[Component]:
-        staged: list[Component] = []
-        for hook_name, kind in _REGISTER_HOOKS.items():
-            caller = getattr(self._pm.hook, hook_name)
-            for impl in caller.get_hookimpls():
-                if impl.plugin is not plugin:
-                    continue
-                registrar = _Registrar(kind, name, staged)
-                kwargs = {arg: registrar for arg in impl.argnames}
-                try:
-                    impl.function(**kwargs)
-                except Exception as exc:
-                    raise _StageError(f"hook {hook_name} raised {type(exc).__name__}: {exc}", "hook") from exc
-        return staged
-
     def _check_conflicts(self, staged: Sequence[Component], name: str) -> None:
-        lightning_names: Iterable[str] = ()
-        if self.mirror_lightning and any(c.kind == "strategy" for c in staged):
-            lightning_names = _lightning_strategy_registry().keys()
-        lightning_names = set(lightning_names)
+        foreign: set[str] = set()
+        if self.mirror_lightning:
+            foreign = foreign_strategy_names(c.name for c in staged if c.kind == "strategy")
         for component in staged:
             registry = self._registries[component.kind]
             if component.name in registry:
                 other = registry.get(component.name).plugin
-                raise _StageError(
+                raise StageError(
                     f"{component.kind} {component.name!r} is already registered by plugin {other!r}; "
-                    f"block one of the two plugins with LPLUGINS_DISABLE={other} or LPLUGINS_DISABLE={name}",
+                    f"block one of the two plugins with {DISABLE}={other} or {DISABLE}={name}",
                     "register",
                 )
-            if component.kind == "strategy" and component.name in lightning_names - set(_MIRRORED_BY_LPLUGINS):
-                raise _StageError(
+            if component.kind == "strategy" and component.name in foreign:
+                raise StageError(
                     f"strategy {component.name!r} is already in Lightning's StrategyRegistry "
                     f"(registered outside lplugins); choose another name",
                     "register",
@@ -566,31 +302,7 @@ class PluginManager:
     def _commit(self, component: Component) -> None:
         self._registries[component.kind]._add(component)
         if component.kind == "strategy" and self.mirror_lightning:
-            registry = _lightning_strategy_registry()
-            if component.name in registry:  # mirrored by another lplugins manager: shadow it until we close
-                self._shadowed[component.name] = registry[component.name]
-            registry.register(
-                component.name,
-                component.factory,
-                description=component.description or f"registered by lplugins plugin {component.plugin!r}",
-                override=True,
-                **component.defaults,
-            )
-            self._mirrored.add(component.name)
-            _MIRRORED_BY_LPLUGINS[component.name] = _MIRRORED_BY_LPLUGINS.get(component.name, 0) + 1
-
-    def _unmirror(self, name: str) -> None:
-        registry = _lightning_strategy_registry()
-        if name in self._shadowed:
-            registry[name] = self._shadowed.pop(name)
-        else:
-            registry.pop(name, None)
-        self._mirrored.discard(name)
-        count = _MIRRORED_BY_LPLUGINS.get(name, 0) - 1
-        if count > 0:
-            _MIRRORED_BY_LPLUGINS[name] = count
-        else:
-            _MIRRORED_BY_LPLUGINS.pop(name, None)
+            self._mirror.add(component)
 
     # ------------------------------------------------------------------ hooks with isolation
     def trainer_callbacks(self, trainer_kwargs: Mapping[str, Any]) -> list[Any]:
@@ -598,80 +310,18 @@ class PluginManager:
 
         A plugin that raises or returns something that is not a callback is reported by name
         (raised in strict mode, warned and skipped in lenient mode); the others still contribute.
+
+        Raises:
+            PluginError: a plugin's hook failed (strict mode).
         """
-        from lightning.pytorch.callbacks import Callback
+        return self._pm.trainer_callbacks(trainer_kwargs, self._hook_failed)
 
-        results: list[Any] = []
-        for impl in self._pm.hook.lplugins_trainer_callbacks.get_hookimpls():
-            info = self._plugins.get(impl.plugin_name)
-            try:
-                out: Any = impl.function(**{arg: trainer_kwargs for arg in impl.argnames})
-                if out is None:
-                    continue
-                items = [out] if isinstance(out, Callback) else list(out)
-                bad = [cb for cb in items if not isinstance(cb, Callback)]
-                if bad:
-                    raise TypeError(f"returned {bad[0]!r}, which is not a lightning.pytorch.Callback")
-            except Exception as exc:
-                error = PluginError(
-                    f"hook lplugins_trainer_callbacks failed: {type(exc).__name__}: {exc}",
-                    plugin=impl.plugin_name,
-                    distribution=info.distribution if info else None,
-                    version=info.version if info else None,
-                    entry_point=info.entry_point if info else None,
-                    stage="hook",
-                )
-                if self.strict:
-                    raise error from exc
-                warnings.warn(f"{error} (skipped; lenient mode)", PluginWarning, stacklevel=2)
-                continue
-            results.extend(items)
-        return results
-
-
-class PluginWarning(UserWarning):
-    """A plugin failed in lenient mode and was skipped."""
-
-
-class _StageError(Exception):
-    def __init__(self, message: str, stage: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.stage = stage
-
-
-def _discover_entry_points() -> list[tuple[importlib.metadata.EntryPoint, str | None, str | None]]:
-    """Entry points of the ``lplugins`` group with their distribution's name and version, one per
-    (name, distribution), in a stable order."""
-    found: dict[tuple[str, str], tuple[importlib.metadata.EntryPoint, str | None, str | None]] = {}
-    for dist in importlib.metadata.distributions():
-        eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
-        if not eps:
-            continue  # parse METADATA only for distributions that have lplugins entry points
-        meta = dist.metadata  # parsed once: each access re-reads the file
-        dist_name = meta["Name"] if meta else None
-        dist_version = meta["Version"] if meta else None
-        for ep in eps:
-            key = (ep.name, _normalize(dist_name or ""))
-            found.setdefault(key, (ep, dist_name, dist_version))
-    return [found[key] for key in sorted(found)]
-
-
-def _normalize(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-_VERSION: str | None = None
-
-
-def _own_version() -> str | None:
-    global _VERSION
-    if _VERSION is None:
-        try:
-            _VERSION = importlib.metadata.version("lplugins")
-        except importlib.metadata.PackageNotFoundError:
-            _VERSION = "unknown"
-    return _VERSION
+    def _hook_failed(self, plugin_name: str, reason: str, cause: Exception | None) -> None:
+        info = self._plugins.get(plugin_name) or PluginInfo(plugin_name)
+        error = info.failure(f"hook lplugins_trainer_callbacks failed: {reason}", "hook")
+        if self.strict:
+            raise error from cause
+        warnings.warn(f"{error} (skipped; lenient mode)", PluginWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------- the process-wide manager

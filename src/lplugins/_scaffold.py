@@ -61,6 +61,7 @@ def _files(dist: str, package: str, plugin: str) -> dict[str, str]:
             from typing import Any
 
             import lplugins
+            from lplugins.hookspecs import Register
 
 
             def _ddp(**kwargs: Any) -> Any:
@@ -76,14 +77,14 @@ def _files(dist: str, package: str, plugin: str) -> dict[str, str]:
 
 
             @lplugins.hookimpl
-            def lplugins_register_strategies(register: Any) -> None:
+            def lplugins_register_strategies(register: Register) -> None:
                 register(
                     "{prefix}_ddp", _ddp, description="DDP over gloo", defaults={{"process_group_backend": "gloo"}}
                 )
 
 
             @lplugins.hookimpl
-            def lplugins_register_callbacks(register: Any) -> None:
+            def lplugins_register_callbacks(register: Register) -> None:
                 register("{prefix}_hello", _hello, description="say hello once, on global rank 0")
             ''',
         f"src/{package}/callbacks.py": '''\

@@ -86,7 +86,9 @@ def positive_number(
         return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
-        allowed = ("a non-negative" if allow_zero else "a positive") + " finite number" + (f" of {unit}" if unit else "")
+        allowed = (
+            ("a non-negative" if allow_zero else "a positive") + " finite number" + (f" of {unit}" if unit else "")
+        )
         allowed += " or None" if optional else ""
         prefix = f"{owner}: " if owner else ""
         raise error(f"{prefix}{name}={value!r} is not allowed; it must be {allowed}.")

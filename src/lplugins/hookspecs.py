@@ -1,4 +1,4 @@
-"""The hook specifications that lplugins plugins implement.
+"""The contract between lplugins and its plugins: every hook, the ``register`` callables, the kinds.
 
 A plugin is a module (or any object) with functions named ``lplugins_<...>``; decorate them with
 :data:`lplugins.hookimpl` (or rely on the ``lplugins_`` prefix, as pytest does for ``pytest_``).
@@ -7,6 +7,16 @@ Publish it under the ``lplugins`` entry-point group::
     [project.entry-points.lplugins]
     acme = "acme_lplugins.plugin"
 
+Everything a plugin author relies on is in this module:
+
+* the hook specifications (``lplugins_register_*`` and the others below), each with an example;
+* :class:`Register` and its per-kind variants, the typed ``register`` callable that registering
+  hooks receive;
+* :data:`KINDS`, the table of component kinds: which hook registers each kind, the extra keywords
+  its ``register`` accepts, and the arguments :func:`lplugins.compose` injects into its factories.
+  The plugin manager and the registries are built from this table: adding a kind means adding a
+  row here and its hook specification below (and a section in ``docs/hooks.md``).
+
 Registering hooks receive a ``register`` callable and return ``None``; they are called once, when
 the plugin is loaded. Every hook is documented, with an example, in ``docs/hooks.md``.
 """
@@ -14,7 +24,8 @@ the plugin is loaded. Every hook is documented, with an example, in ``docs/hooks
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import pluggy
 
@@ -24,10 +35,123 @@ PROJECT_NAME = "lplugins"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-#: ``register(name, factory, *, description="", defaults=None, **metadata) -> None``
-Register = Callable[..., None]
+
+# ---------------------------------------------------------------------------- register callables
+class Register(Protocol):
+    """The ``register`` callable a registering hook receives (strategies, schedules, callbacks).
+
+    Call it once per name. Nothing is registered until the whole plugin has loaded: if any of its
+    hooks raises, none of its names remain.
+
+    Args:
+        name: The name users pass (letters, digits, ``_``, ``.``, ``-``), unique within its kind.
+        factory: A class or callable building the component: ``factory(**defaults, **overrides)``.
+            A factory that declares one of the kind's injected arguments (see :data:`KINDS`)
+            receives it from :func:`lplugins.compose`.
+        description: One line, shown by ``lplugins list``.
+        defaults: Keyword arguments passed to ``factory`` unless the user overrides them.
+
+    Raises:
+        RegistrationError: an invalid name, a factory that is not callable, ``defaults`` that are
+            not a mapping, a keyword the kind does not accept, or a name given twice by one plugin.
+            (The plugin then fails to load with a :class:`~lplugins.PluginError` naming it.)
+    """
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        *,
+        description: str = "",
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None: ...
 
 
+class RegisterPrecision(Register, Protocol):
+    """:class:`Register` for precision plugins, with what the precision supports.
+
+    Args:
+        strategies: Strategy names it works with; ``None`` (the default) means any.
+        accelerators: Accelerator names it works with (``"cpu"``, ``"cuda"``...); ``None`` means any.
+    """
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        *,
+        description: str = "",
+        defaults: Mapping[str, Any] | None = None,
+        strategies: Sequence[str] | None = None,
+        accelerators: Sequence[str] | None = None,
+    ) -> None: ...
+
+
+class RegisterClusterEnvironment(Register, Protocol):
+    """:class:`Register` for cluster environments, with automatic detection.
+
+    Args:
+        detect: A callable without arguments returning true when the process runs under that
+            scheduler; :func:`lplugins.compose` then adds the environment when the user gave none.
+    """
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        *,
+        description: str = "",
+        defaults: Mapping[str, Any] | None = None,
+        detect: Callable[[], object] | None = None,
+    ) -> None: ...
+
+
+# ---------------------------------------------------------------------------- the kinds
+@dataclass(frozen=True)
+class Kind:
+    """One kind of named component: how plugins register it and how lplugins builds it.
+
+    Attributes:
+        name: The kind, as in ``manager.registry("precision")`` and ``lplugins list``.
+        hook: The registering hook that plugins implement for it.
+        register: The type of the ``register`` callable that hook receives.
+        keywords: The extra keywords ``register`` accepts for this kind (beyond ``description``
+            and ``defaults``); they end up in :attr:`lplugins.Component.metadata`.
+        injected: Arguments :func:`lplugins.compose` passes to a factory that declares a parameter
+            of that name (``trainer_kwargs``: a read-only view of the Trainer's keyword arguments;
+            ``accelerator``: the resolved accelerator name; ``strategy``: the strategy's name).
+    """
+
+    name: str
+    hook: str
+    register: type = Register
+    keywords: frozenset[str] = frozenset()
+    injected: tuple[str, ...] = ()
+
+
+#: Every kind of component, in the order the manager calls the registering hooks. The registries
+#: (:mod:`lplugins._registry`) and the manager (:mod:`lplugins._manager`) derive from this table.
+KINDS: tuple[Kind, ...] = (
+    Kind("strategy", "lplugins_register_strategies", injected=("trainer_kwargs",)),
+    Kind(
+        "precision",
+        "lplugins_register_precisions",
+        RegisterPrecision,
+        keywords=frozenset({"strategies", "accelerators"}),
+        injected=("accelerator", "strategy"),
+    ),
+    Kind("schedule", "lplugins_register_schedules"),
+    Kind("callback", "lplugins_register_callbacks"),
+    Kind(
+        "cluster_environment",
+        "lplugins_register_cluster_environments",
+        RegisterClusterEnvironment,
+        keywords=frozenset({"detect"}),
+    ),
+)
+
+
+# ---------------------------------------------------------------------------- registering hooks
 @hookspec
 def lplugins_register_strategies(register: Register) -> None:
     """Register named training strategies.
@@ -38,8 +162,11 @@ def lplugins_register_strategies(register: Register) -> None:
     Lightning's ``StrategyRegistry``, so ``lightning.pytorch.Trainer(strategy="name")`` works once
     lplugins has loaded its plugins.
 
+    Injected argument: a factory with a parameter named ``trainer_kwargs`` receives a read-only
+    view of the Trainer's keyword arguments when :func:`lplugins.compose` resolves the name.
+
     Args:
-        register: the registering callable.
+        register: a :class:`Register`; call it once per strategy.
 
     Example::
 
@@ -53,15 +180,19 @@ def lplugins_register_strategies(register: Register) -> None:
 
 
 @hookspec
-def lplugins_register_precisions(register: Register) -> None:
+def lplugins_register_precisions(register: RegisterPrecision) -> None:
     """Register named precision plugins.
 
     Call ``register(name, factory, description=..., strategies=None, accelerators=None)``;
     ``factory`` returns a ``lightning.pytorch.plugins.precision.Precision`` instance.
     ``strategies`` and ``accelerators`` (tuples of names) say what it supports; ``None`` means any.
 
+    Injected arguments: a factory with a parameter named ``accelerator`` receives the resolved
+    accelerator name (``"cpu"``, ``"cuda"``...), one named ``strategy`` the strategy's name, when
+    the name is given as ``precision=`` to :func:`lplugins.compose`.
+
     Args:
-        register: the registering callable.
+        register: a :class:`RegisterPrecision`; call it once per precision.
 
     Example::
 
@@ -83,7 +214,7 @@ def lplugins_register_schedules(register: Register) -> None:
     :func:`lplugins.compose`.
 
     Args:
-        register: the registering callable.
+        register: a :class:`Register`; call it once per schedule.
 
     Example::
 
@@ -105,7 +236,7 @@ def lplugins_register_callbacks(register: Register) -> None:
     :func:`lplugins.compose` and :func:`lplugins.attach`.
 
     Args:
-        register: the registering callable.
+        register: a :class:`Register`; call it once per callback.
 
     Example::
 
@@ -119,7 +250,7 @@ def lplugins_register_callbacks(register: Register) -> None:
 
 
 @hookspec
-def lplugins_register_cluster_environments(register: Register) -> None:
+def lplugins_register_cluster_environments(register: RegisterClusterEnvironment) -> None:
     """Register named cluster environments (schedulers Lightning does not know).
 
     Call ``register(name, factory, description=..., detect=callable)``; ``factory`` returns a
@@ -127,7 +258,7 @@ def lplugins_register_cluster_environments(register: Register) -> None:
     true, the environment is used automatically when a Trainer is composed without one.
 
     Args:
-        register: the registering callable.
+        register: a :class:`RegisterClusterEnvironment`; call it once per environment.
 
     Example::
 
@@ -140,16 +271,20 @@ def lplugins_register_cluster_environments(register: Register) -> None:
     """
 
 
+# ---------------------------------------------------------------------------- other hooks
 @hookspec
 def lplugins_trainer_callbacks(trainer_kwargs: Mapping[str, Any]) -> Sequence[Any] | None:
     """Contribute callbacks to every Trainer that lplugins composes.
 
     Called by :func:`lplugins.compose` (and, in zero-code mode, for every plain ``Trainer``) with
     the Trainer keyword arguments known at that point (empty in zero-code mode). Return a list of
-    ``Callback`` instances, or ``None``. Results of all plugins are concatenated in plugin order.
+    ``Callback`` instances, or ``None``. Results of all plugins are concatenated in plugin order;
+    a plugin that raises is named in a ``PluginError`` (or skipped with a ``PluginWarning`` in
+    lenient mode) and the others still contribute.
 
     Args:
-        trainer_kwargs: the Trainer's keyword arguments (read only).
+        trainer_kwargs: the Trainer's keyword arguments (read only); ``precision`` is the resolved
+            name when ``compose()`` resolved ``"auto"``.
 
     Example::
 
@@ -166,9 +301,9 @@ def lplugins_choose_precision(accelerator: str, capabilities: Mapping[str, Any])
     """Choose the precision that ``precision="auto"`` resolves to.
 
     Stops at first non-None result. ``capabilities`` holds facts about the hardware (for CUDA:
-    ``"cuda_capability"`` as a ``(major, minor)`` tuple, ``"bf16_supported"``; ``"cpu_bf16"`` when
-    the user opted into bf16 on CPU). Return a precision name or ``None`` to let the next plugin
-    (finally lplugins' own rule) decide.
+    ``"cuda_capability"`` as a ``(major, minor)`` tuple, ``"bf16_supported"``, ``"device_name"``;
+    ``"cpu_bf16"`` when the user opted into bf16 on CPU). Return a precision name or ``None`` to
+    let the next plugin (finally lplugins' own rule) decide. Plugins loaded later are asked first.
 
     Args:
         accelerator: ``"cpu"``, ``"cuda"``, ``"mps"``, ...

@@ -24,18 +24,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.cli import LightningCLI as _LightningCLI
 
 from lplugins._compose import compose
 from lplugins._errors import CompositionError
+from lplugins._lightning import InstantiateTrainerMixin
 from lplugins._manager import load
 
 __all__ = ["LightningCLI"]
 
 
-class LightningCLI(_LightningCLI):
+class LightningCLI(InstantiateTrainerMixin, _LightningCLI):
     """Lightning's ``LightningCLI`` plus an ``lplugins`` config section, composed with :func:`lplugins.compose`.
 
     Plugins are loaded before the arguments are parsed, so registered strategy names validate.
@@ -66,9 +66,14 @@ class LightningCLI(_LightningCLI):
             "--lplugins.callbacks", type=Any, default=None, help="callback names or {name: ..., params...}"
         )
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        section = self._get(self.config_init, "lplugins", default=None)
-        values = _as_dict(section)
+    def trainer_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The Trainer's keyword arguments: ``trainer`` and ``lplugins`` sections merged, then composed.
+
+        Raises:
+            CompositionError: a key is set in both sections, or the composition fails.
+            UnknownNameError: an unknown strategy, precision, schedule or callback name.
+        """
+        values = _as_dict(self.config_section("lplugins"))
         merged = dict(config)
         for key in ("precision", "accumulate_grad_batches", "strategy"):
             value = values.get(key)
@@ -86,7 +91,7 @@ class LightningCLI(_LightningCLI):
             merged["callbacks"] = list(merged.get("callbacks") or []) + [_plain(cb) for cb in _listify(extra)]
         composed = compose(**merged)
         composed.setdefault("callbacks", [])
-        return super()._instantiate_trainer(composed, callbacks)
+        return composed
 
 
 def _listify(value: Any) -> list[Any]:

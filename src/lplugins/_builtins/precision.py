@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +37,15 @@ def lplugins_register_callbacks(register: Register) -> None:
 def lplugins_trainer_callbacks(trainer_kwargs: Mapping[str, Any]) -> list[Any] | None:
     if trainer_kwargs.get("precision") not in _FP16:
         return None
-    for cb in trainer_kwargs.get("callbacks") or []:
-        if cb == "loss_scale_monitor" or type(cb).__name__ == "LossScaleMonitor":
-            return None  # the user added one already
+    if any(_is_monitor(cb) for cb in trainer_kwargs.get("callbacks") or []):
+        return None  # the user added one already
     return [_monitor()]
+
+
+def _is_monitor(callback: Any) -> bool:
+    """Whether ``callback`` is a loss-scale monitor, by name or instance (without importing Lightning)."""
+    if isinstance(callback, str):
+        return callback == "loss_scale_monitor"
+    # an instance exists only once its module is imported; importing it here would import Lightning
+    module = sys.modules.get("lplugins.precision._monitor")
+    return module is not None and isinstance(callback, module.LossScaleMonitor)

@@ -1,15 +1,24 @@
-"""The Lightning callback that applies a gradient-accumulation :class:`~lplugins.accumulation.Schedule`."""
+"""The Lightning callback that applies a gradient-accumulation :class:`~lplugins.accumulation.Schedule`.
+
+The callback holds the policy: it asks the schedule for each window's size, counts the window,
+keeps that position in checkpoints and announces changes. How the window reaches the training loop
+depends on the optimization mode and is left to a driver (:mod:`lplugins.accumulation._drivers`),
+chosen once, at ``setup``.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lplugins import _lightning
+from lplugins._validate import is_int, positive_int
+from lplugins.accumulation._drivers import Driver, choose_driver
 from lplugins.accumulation._schedules import Schedule, ScheduleContext, ScheduleError, schedule_from
 
 if TYPE_CHECKING:
@@ -79,11 +88,9 @@ class AccumulationScheduler(Callback):
     ) -> None:
         super().__init__()
         self.schedule = schedule_from(schedule)
-        if micro_batch_size is not None and (
-            not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool) or micro_batch_size < 1
-        ):
-            raise ScheduleError(f"micro_batch_size={micro_batch_size!r} is not allowed; it must be an int >= 1.")
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size: int | None = positive_int(
+            "micro_batch_size", micro_batch_size, optional=True, error=ScheduleError
+        )
         self.log_changes = log_changes
         self.progress_bar = progress_bar
         # position in training (saved in checkpoints)
@@ -98,11 +105,8 @@ class AccumulationScheduler(Callback):
         self._loaded_world_size: int | None = None
         self._announced: int | None = None
         self._in_batch = False
-        self._manual = False
-        self._manual_called = False
-        self._installed: list[tuple[object, str]] = []
-        self._deepspeed = False
         self._restored = False
+        self._driver: Driver | None = None  # how the window reaches the loop; chosen in setup
 
     # ------------------------------------------------------------------ public
     @property
@@ -212,18 +216,8 @@ class AccumulationScheduler(Callback):
                     opt.step()
                     opt.zero_grad()
         """
-        from lightning.pytorch.strategies import ParallelStrategy
-
-        trainer = pl_module.trainer
-        self._manual_called = True
-        closes = self._closes_window(trainer)
-        scaled = loss / self._k
-        strategy = trainer.strategy
-        if not closes and isinstance(strategy, ParallelStrategy):
-            with strategy.block_backward_sync():
-                pl_module.manual_backward(scaled, *args, **kwargs)
-        else:
-            pl_module.manual_backward(scaled, *args, **kwargs)
+        closes = self._closes_window(pl_module.trainer)
+        self._require_driver().backward(pl_module, loss / self._k, closes, *args, **kwargs)
         return closes
 
     # ------------------------------------------------------------------ hooks
@@ -231,12 +225,12 @@ class AccumulationScheduler(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._check_trainer(trainer, pl_module)
+        self._check_trainer(trainer)
+        self._driver = choose_driver(trainer, pl_module, self.schedule)
+        self._trainer_ref = trainer
         self._restored = False
         self._loaded_world_size = None
-        self._manual = not pl_module.automatic_optimization
-        if not self._manual:
-            self._install(trainer)
+        self._driver.setup(trainer, ends_window=lambda: self._boundary, opens_window=lambda: self._pos == 0)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -264,47 +258,31 @@ class AccumulationScheduler(Callback):
             self.schedule.check(micro_batch_size=self._micro, world_size=world)
             if self._pos == 0:
                 self._factor_now(trainer)  # fail now, not at the first window
-        if self._pos > 0 and self._deepspeed:
-            self._set_deepspeed_steps(trainer, self._k)
-        elif self._pos > 0 and not self._manual:
-            trainer.accumulate_grad_batches = self._k
+        if self._pos > 0:
+            self._require_driver().apply_factor(trainer, self._k)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        driver = self._require_driver()
         if self._pos == 0:
             if self._micro is None and self.schedule.needs_micro_batch_size:
                 self._micro = self._infer_micro(batch)
                 self.schedule.check(micro_batch_size=self._micro, world_size=self._world_size or 1)
             k = self._factor_now(trainer)
             self._k = k
-            if self._deepspeed:
-                self._set_deepspeed_steps(trainer, k)
-            elif not self._manual:
-                trainer.accumulate_grad_batches = k
+            driver.apply_factor(trainer, k)
             if k != self._announced:
-                self._announce(trainer, pl_module, k)
-        # by count; with DeepSpeed the epoch's last batch must be said explicitly (Lightning leaves it to the engine)
-        self._boundary = self._pos + 1 >= self._k or (
-            self._deepspeed and bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
-        )
-        if self._deepspeed:
-            engine = trainer.strategy.model
-            engine.set_gradient_accumulation_boundary(self._boundary)  # type: ignore[union-attr, operator]
+                self._announce(trainer, k)
+        self._boundary = driver.begin_batch(trainer, by_count=self._pos + 1 >= self._k)
         self._in_batch = True
-        self._manual_called = False
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._manual and not self._manual_called and self._k > 1:
-            raise ScheduleError(
-                "With manual optimization, lplugins cannot accumulate gradients for you: call "
-                "`AccumulationScheduler.of(self.trainer).backward(self, loss)` instead of `self.manual_backward(loss)` "
-                "in training_step, and step/zero the optimizer only when it returns True."
-            )
+        self._require_driver().end_batch(self._k)
         self.steps, self.samples, self._pos = self._advanced(trainer)
         self._in_batch = False
 
@@ -318,13 +296,9 @@ class AccumulationScheduler(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        for obj, name in self._installed:
-            obj.__dict__.pop(name, None)
-        self._installed.clear()
+        if self._driver is not None:
+            self._driver.teardown(trainer)
         trainer.accumulate_grad_batches = 1
-        engine: Any = trainer.strategy.model if self._deepspeed else None
-        if engine is not None and hasattr(engine, "set_gradient_accumulation_boundary"):
-            engine._is_gradient_accumulation_boundary = None  # back to the engine's own counting
         self._in_batch = False
 
     @override
@@ -360,7 +334,12 @@ class AccumulationScheduler(Callback):
     # ------------------------------------------------------------------ internals
     _trainer_ref: pl.Trainer | None = None
 
-    def _check_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _require_driver(self) -> Driver:
+        if self._driver is None:
+            raise ScheduleError("The AccumulationScheduler is not set up yet; trainer.fit() sets it up.")
+        return self._driver
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
         from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
         if trainer.accumulate_grad_batches != 1:
@@ -379,83 +358,10 @@ class AccumulationScheduler(Callback):
                 f"Another gradient-accumulation callback ({', '.join(others)}) is attached next to the lplugins "
                 "AccumulationScheduler; keep one."
             )
-        strategy = trainer.strategy
-        self._deepspeed = bool(strategy.handles_gradient_accumulation)
-        if self._deepspeed:
-            if not _is_deepspeed(strategy):
-                raise ScheduleError(
-                    f"The strategy {type(strategy).__name__} accumulates gradients itself and lplugins does not know "
-                    "how to change its accumulation at run time; use a DDP or DeepSpeed strategy, or a constant "
-                    "Trainer(accumulate_grad_batches=k)."
-                )
-            if not pl_module.automatic_optimization:
-                raise ScheduleError(
-                    "An accumulation schedule with DeepSpeed needs automatic optimization: DeepSpeed's engine owns "
-                    "the backward pass and the step, so AccumulationScheduler.backward() cannot drive it."
-                )
-            config = getattr(strategy, "config", None)
-            if isinstance(config, Mapping):
-                for key in ("gradient_accumulation_steps", "train_batch_size"):
-                    value = config.get(key)
-                    if value is not None and value != "auto":
-                        raise ScheduleError(
-                            f"The DeepSpeed config sets {key}={value!r}, but the accumulation schedule "
-                            f"{self.schedule!r} changes it during training; lplugins will not override your config "
-                            f"silently. Remove '{key}' from the DeepSpeed config (or set it to 'auto'), or drop the "
-                            "schedule and keep a fixed accumulation."
-                        )
-        self._trainer_ref = trainer
-
-    def _install(self, trainer: pl.Trainer) -> None:
-        """Let this callback decide the window boundaries in Lightning's automatic-optimization loop.
-
-        Lightning decides "step now" with ``batch_progress.current.ready % accumulate_grad_batches``
-        and "zero the gradients" with ``batch_idx % accumulate_grad_batches``; both are only right
-        for a factor that is constant over the epoch. Two instance attributes replace them with the
-        window this callback counts (removed again in ``teardown``).
-        """
-        epoch_loop = trainer.fit_loop.epoch_loop
-        auto = epoch_loop.automatic_optimization
-        for obj, name in ((epoch_loop, "_accumulated_batches_reached"), (auto, "_make_zero_grad_fn")):
-            if not callable(getattr(type(obj), name, None)):
-                raise ScheduleError(
-                    f"lplugins' AccumulationScheduler needs Lightning's {type(obj).__name__}.{name} (Lightning 2.6); "
-                    f"this Lightning ({_lightning_version()}) has none."
-                )
-
-        def accumulated_batches_reached() -> bool:
-            return self._boundary
-
-        def make_zero_grad_fn(batch_idx: int, optimizer: torch.optim.Optimizer) -> Callable[[], None] | None:
-            if auto._skip_backward or self._pos != 0:
-                return None
-
-            def zero_grad_fn() -> None:
-                auto._on_before_zero_grad(optimizer)
-                auto._optimizer_zero_grad(batch_idx, optimizer)
-
-            return zero_grad_fn
-
-        epoch_loop.__dict__["_accumulated_batches_reached"] = accumulated_batches_reached
-        auto.__dict__["_make_zero_grad_fn"] = make_zero_grad_fn
-        self._installed = [(epoch_loop, "_accumulated_batches_reached"), (auto, "_make_zero_grad_fn")]
 
     def _closes_window(self, trainer: pl.Trainer) -> bool:
         # Lightning's rule: a window ends by count, or with the epoch's last batch
-        return self._boundary or bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
-
-    def _set_deepspeed_steps(self, trainer: pl.Trainer, k: int) -> None:
-        """Give DeepSpeed's engine the window size; it divides the loss by it in ``engine.backward``."""
-        strategy: Any = trainer.strategy
-        engine = strategy.model
-        if engine.gradient_accumulation_steps() != k:
-            setter = getattr(strategy, "set_gradient_accumulation_steps", None)
-            if callable(setter):
-                setter(k)
-            else:
-                engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * k * strategy.world_size)
-        # the engine scales the loss by 1/k already; Lightning must not divide it again
-        trainer.accumulate_grad_batches = 1
+        return self._boundary or _lightning.is_last_batch_of_epoch(trainer)
 
     def _advanced(self, trainer: pl.Trainer) -> tuple[int, int, int]:
         per_micro_step = (self._micro or 0) * (self._world_size or 1)
@@ -474,7 +380,7 @@ class AccumulationScheduler(Callback):
 
     def _factor_now(self, trainer: pl.Trainer) -> int:
         k = self.schedule.factor(self._context(trainer))
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if not is_int(k) or k < 1:
             raise ScheduleError(f"{self.schedule!r} returned factor {k!r}; a factor must be an int >= 1.")
         return k
 
@@ -500,18 +406,12 @@ class AccumulationScheduler(Callback):
                 "pass micro_batch_size=... to the schedule or the AccumulationScheduler."
             ) from exc
 
-    def _announce(self, trainer: pl.Trainer, pl_module: pl.LightningModule, k: int) -> None:
+    def _announce(self, trainer: pl.Trainer, k: int) -> None:
         self._announced = k
         gbs = self.global_batch_size
-        if self.progress_bar:
-            # Written once per change into the dict the progress bars read. `pl_module.log(..., prog_bar=True)`
-            # would do the same but puts a metric in Lightning's result collection, which then costs a
-            # conversion on every micro-batch (measured: ~5% per step on a small model).
-            pbar = getattr(getattr(trainer, "_logger_connector", None), "_progress_bar_metrics", None)
-            if isinstance(pbar, dict):
-                pbar[PBAR_FACTOR] = k
-                if gbs is not None:
-                    pbar[PBAR_GLOBAL_BATCH] = gbs
+        if self.progress_bar:  # written once per change, not logged per step (see set_progress_bar_values)
+            shown = {PBAR_FACTOR: k} if gbs is None else {PBAR_FACTOR: k, PBAR_GLOBAL_BATCH: gbs}
+            _lightning.set_progress_bar_values(trainer, shown)
         if not self.log_changes or not trainer.is_global_zero:
             return
         where = f"optimizer step {self.steps}, epoch {trainer.current_epoch}"
@@ -524,14 +424,4 @@ class AccumulationScheduler(Callback):
         if gbs is not None:
             metrics[METRIC_GLOBAL_BATCH] = float(gbs)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
-
-
-def _is_deepspeed(strategy: object) -> bool:
-    return any(cls.__name__ == "DeepSpeedStrategy" for cls in type(strategy).__mro__)
-
-
-def _lightning_version() -> str:
-    from importlib.metadata import version
-
-    return version("lightning")
+            logger.log_metrics(metrics, step=_lightning.logging_step(trainer))

@@ -13,16 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lplugins._errors import LPluginsError
-
-__all__ = [
-    "ConstantGlobalSchedule",
-    "EpochSchedule",
-    "RampSchedule",
-    "Schedule",
-    "ScheduleContext",
-    "ScheduleError",
-    "StepSchedule",
-]
+from lplugins._validate import is_int, positive_int
 
 
 class ScheduleError(LPluginsError, ValueError):
@@ -49,14 +40,18 @@ class ScheduleContext:
     world_size: int = 1
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _positive_int(owner: str, name: str, value: object) -> int:
+    return int(positive_int(name, value, owner=owner, error=ScheduleError))
 
 
-def _check_positive_int(owner: str, name: str, value: object, minimum: int = 1) -> int:
-    if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise ScheduleError(f"{owner}: {name}={value!r} is not allowed; it must be an int >= {minimum}.")
-    return value  # type: ignore[return-value]
+def _known_micro(owner: str, own: int | None, given: int | None, why: str = "") -> int:
+    """The schedule's own micro-batch size, else the run's; raise if neither is known."""
+    micro = own or given
+    if micro is None:
+        raise ScheduleError(
+            f"{owner}: the micro-batch size is unknown{why}; pass micro_batch_size=... to the schedule."
+        )
+    return micro
 
 
 class Schedule(abc.ABC):
@@ -113,12 +108,12 @@ class _KeyedSchedule(Schedule):
             raise ScheduleError(f"{owner}: the schedule is empty; give at least one {{{self._key_name}: factor}} pair.")
         previous: int | None = None
         for key, value in schedule.items():
-            if not _is_int(key) or key < 0:
+            if not is_int(key) or key < 0:
                 raise ScheduleError(
                     f"{owner}: key {key!r} is not allowed; keys are {self._key_name}s, ints >= 0 "
                     f"(got keys {list(schedule)!r})."
                 )
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ScheduleError(
                     f"{owner}: factor {value!r} at {self._key_name} {key} is not allowed; factors are ints >= 1."
                 )
@@ -196,6 +191,9 @@ class StepSchedule(_KeyedSchedule):
         return self._lookup(context.step)
 
 
+_NO_LOADER_SIZE = " (the DataLoader has no batch_size)"
+
+
 def _multiples_near(value: int, unit: int) -> str:
     lower = (value // unit) * unit
     options = [v for v in (lower, lower + unit) if v > 0]
@@ -230,21 +228,14 @@ class ConstantGlobalSchedule(Schedule):
     needs_micro_batch_size = True
 
     def __init__(self, global_batch_size: int, micro_batch_size: int | None = None) -> None:
-        self.global_batch_size_target = _check_positive_int("constant_global", "global_batch_size", global_batch_size)
+        self.global_batch_size_target = _positive_int("constant_global", "global_batch_size", global_batch_size)
         self.micro_batch_size = (
-            None
-            if micro_batch_size is None
-            else _check_positive_int("constant_global", "micro_batch_size", micro_batch_size)
+            None if micro_batch_size is None else _positive_int("constant_global", "micro_batch_size", micro_batch_size)
         )
 
     def check(self, *, micro_batch_size: int | None, world_size: int) -> None:
         """Check that the global batch is micro-batch x world size x an integer factor."""
-        micro = self.micro_batch_size or micro_batch_size
-        if micro is None:
-            raise ScheduleError(
-                "constant_global: the micro-batch size is unknown (the DataLoader has no batch_size); "
-                "pass micro_batch_size=... to the schedule."
-            )
+        micro = _known_micro("constant_global", self.micro_batch_size, micro_batch_size, _NO_LOADER_SIZE)
         per_step = micro * world_size
         target = self.global_batch_size_target
         if target % per_step:
@@ -262,9 +253,7 @@ class ConstantGlobalSchedule(Schedule):
 
     def factor(self, context: ScheduleContext) -> int:
         """``global_batch_size // (micro_batch_size * world_size)``."""
-        micro = self.micro_batch_size or context.micro_batch_size
-        if micro is None:
-            raise ScheduleError("constant_global: the micro-batch size is unknown; pass micro_batch_size=....")
+        micro = _known_micro("constant_global", self.micro_batch_size, context.micro_batch_size)
         return max(1, self.global_batch_size_target // (micro * context.world_size))
 
     def __repr__(self) -> str:
@@ -318,9 +307,9 @@ class RampSchedule(Schedule):
         increment: int | None = None,
         micro_batch_size: int | None = None,
     ) -> None:
-        self.start = _check_positive_int("ramp", "start", start)
-        self.target = _check_positive_int("ramp", "target", target)
-        self.over = _check_positive_int("ramp", "over", over)
+        self.start = _positive_int("ramp", "start", start)
+        self.target = _positive_int("ramp", "target", target)
+        self.over = _positive_int("ramp", "over", over)
         if self.start > self.target:
             raise ScheduleError(
                 f"ramp: start={start} is larger than target={target}; a ramp grows the global batch, "
@@ -335,7 +324,7 @@ class RampSchedule(Schedule):
         if kind == "stepwise":
             if increment is None:
                 raise ScheduleError("ramp: kind='stepwise' needs increment=... (the global-batch growth per stage).")
-            _check_positive_int("ramp", "increment", increment)
+            _positive_int("ramp", "increment", increment)
             span = self.target - self.start
             if span == 0:
                 raise ScheduleError(f"ramp: increment={increment} with start == target; use kind='linear'.")
@@ -349,7 +338,7 @@ class RampSchedule(Schedule):
             raise ScheduleError("ramp: increment=... only applies to kind='stepwise'.")
         self.increment = increment
         self.micro_batch_size = (
-            None if micro_batch_size is None else _check_positive_int("ramp", "micro_batch_size", micro_batch_size)
+            None if micro_batch_size is None else _positive_int("ramp", "micro_batch_size", micro_batch_size)
         )
 
     def global_batch_at(self, position: int) -> int:
@@ -365,11 +354,7 @@ class RampSchedule(Schedule):
 
     def check(self, *, micro_batch_size: int | None, world_size: int) -> None:
         """Check that start, target (and increment) are whole numbers of micro-steps."""
-        micro = self.micro_batch_size or micro_batch_size
-        if micro is None:
-            raise ScheduleError(
-                "ramp: the micro-batch size is unknown (the DataLoader has no batch_size); pass micro_batch_size=...."
-            )
+        micro = _known_micro("ramp", self.micro_batch_size, micro_batch_size, _NO_LOADER_SIZE)
         per_step = micro * world_size
         named = {"start": self.start, "target": self.target}
         if self.increment is not None:
@@ -383,9 +368,7 @@ class RampSchedule(Schedule):
 
     def factor(self, context: ScheduleContext) -> int:
         """The global batch at the current position, in micro-steps (at least 1)."""
-        micro = self.micro_batch_size or context.micro_batch_size
-        if micro is None:
-            raise ScheduleError("ramp: the micro-batch size is unknown; pass micro_batch_size=....")
+        micro = _known_micro("ramp", self.micro_batch_size, context.micro_batch_size)
         position = context.samples if self.unit == "samples" else context.step
         return max(1, self.global_batch_at(position) // (micro * context.world_size))
 

@@ -3,21 +3,49 @@
 * :class:`DurableCheckpoint` -- atomic, durable, rank-safe checkpoints (``docs/checkpoint.md``), with
   :func:`latest_checkpoint` and ``ckpt_path="latest"`` for resume and :func:`request_checkpoint` for
   asking for a save from one rank.
+
+The package, one concern per module (arrows point down: a module imports only those below it)::
+
+    checkpoint.py        DurableCheckpoint: the policy -- triggers, retention and top-K, its state, Lightning hooks
+    _config.py           CheckpointConfig: the constructor's arguments, checked and frozen
+    _resume.py           LatestResolver: "latest" resolved once for both load paths; SafeResumeIO, latest_checkpoint
+    _preemption.py       preemption signals caught as a flag; SLURM requeue; PREEMPTED_EXIT_CODE
+    _rng.py              capturing and restoring the random number generators
+    _async.py            AsyncWriter: CPU snapshots (deferred copies, buffer reuse) written on a background thread
+    _writer.py           the CheckpointWriter interface; SyncWriter and StrategyWriter (sharded directories)
+    _retention.py        Retention (which checkpoints to keep) and the Ledger of committed ones (background deletes)
+    _collective.py       the collectives, through the trainer's strategy; ranks agreeing on a path
+    _background.py       BackgroundQueue: one thread running jobs in order, errors kept for the training thread
+    _serialization.py    the torch.save stream without torch's per-record CRCs; the storages it writes
+    _storage.py          the Storage protocol (file primitives) and the commit protocol on top; open_storage
+    _storage_local.py    LocalStorage: local paths, fsync at every step
+    _storage_fsspec.py   FsspecStorage: fsspec URLs, no fsync
+    _stream.py           StreamWriter: direct writes, early write-back, CRC32 off the critical path
+    _crc.py              crc32_combine
+    _record.py           the commit marker (Record), checkpoint names and their order
+    _errors.py           the errors (each an LPluginsError with its builtin base)
+
+Lightning internals (the checkpoint dict, ``trainer.ckpt_path``, wrapping a strategy's
+``load_checkpoint``) are reached only through :mod:`lplugins._lightning`.
 """
 
-from lplugins.callbacks._resume import LATEST, UnsafeCheckpointError, latest_checkpoint
-from lplugins.callbacks.checkpoint import (
-    PREEMPTED_EXIT_CODE,
+from lplugins.callbacks._errors import (
+    CheckpointConfigError,
     CheckpointDirectoryError,
+    CheckpointResumeError,
     CheckpointWriteError,
-    DurableCheckpoint,
-    request_checkpoint,
+    UnsafeCheckpointError,
 )
+from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE
+from lplugins.callbacks._resume import LATEST, latest_checkpoint
+from lplugins.callbacks.checkpoint import DurableCheckpoint, request_checkpoint
 
 __all__ = [
     "LATEST",
     "PREEMPTED_EXIT_CODE",
+    "CheckpointConfigError",
     "CheckpointDirectoryError",
+    "CheckpointResumeError",
     "CheckpointWriteError",
     "DurableCheckpoint",
     "UnsafeCheckpointError",

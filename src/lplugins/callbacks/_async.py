@@ -1,15 +1,31 @@
-"""Background writing: CPU snapshots and a single writer thread with a bound on saves in flight."""
+"""``AsyncWriter``: saves snapshotted to CPU memory and written on a background thread, a bound on saves in flight.
+
+The snapshot copies the parameters and optimizer state (which change only in the optimizer step) on
+a second thread while the next forward and backward run (:class:`DeferredCopy`); the callback calls
+:meth:`AsyncWriter.complete_snapshot` before the next optimizer step. Everything else is copied at
+the save. Only rank 0 writes (a plain ``torch.save`` of the whole state, see :func:`writes_itself`).
+"""
 
 from __future__ import annotations
 
 import copy
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lplugins.callbacks._background import BackgroundQueue
+from lplugins.callbacks._errors import CheckpointWriteError
+from lplugins.callbacks._record import Record
+from lplugins.callbacks._retention import Ledger
+from lplugins.callbacks._writer import CheckpointWriter
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+__all__ = ["AsyncWriter", "BufferPool", "DeferredCopy", "snapshot", "stable_storages"]
 
 
 def snapshot(
@@ -167,81 +183,96 @@ class BufferPool:
                 self._free.append(buffers)
 
 
-class Writer:
-    """One background thread that runs write jobs in order, at most ``max_in_flight`` queued or running.
+def stable_storages(trainer: Trainer) -> frozenset[int]:
+    """Storage addresses of the CPU parameters and optimizer state: they change only in the optimizer step."""
+    out: set[int] = set()
+    for p in trainer.lightning_module.parameters():
+        if p.device.type == "cpu":
+            out.add(p.untyped_storage().data_ptr())
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    out.add(value.untyped_storage().data_ptr())
+    out.discard(0)
+    return frozenset(out)
 
-    A job's exception is kept and re-raised by :meth:`raise_error` (called by the training thread at
-    the next step) -- never swallowed. After a failure, queued jobs are dropped.
+
+class AsyncWriter(CheckpointWriter):
+    """Rank 0 snapshots each save to CPU memory and writes it on a background thread.
+
+    A background failure is kept until the next step boundary, where every rank learns of it (the
+    callback's step-boundary collective carries :meth:`failed`) and raises.
 
     Args:
-        max_in_flight: The most saves queued or running at once; :meth:`submit` waits beyond it.
+        ledger: The directory's committed checkpoints.
+        crc32: Compute the CRC32 of the files while writing them.
+        max_in_flight: The most saves queued or being written; a save beyond it waits for the oldest.
+        writes: Whether this rank writes (rank 0); other ranks only take part in the collectives.
     """
 
-    def __init__(self, max_in_flight: int) -> None:
-        self.max_in_flight = max_in_flight
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._in_flight = 0
-        self._cond = threading.Condition()
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="lplugins-checkpoint-writer", daemon=True)
-        self._thread.start()
+    def __init__(self, ledger: Ledger, crc32: bool, max_in_flight: int, writes: bool) -> None:
+        super().__init__(ledger, crc32)
+        self._queue = BackgroundQueue(max_in_flight) if writes else None
+        self._pool: BufferPool | None = BufferPool(1) if writes else None
+        self._copy: DeferredCopy | None = None
+        self._eager = False
 
-    def submit(self, job: Callable[[], None]) -> float:
-        """Queue ``job``; wait while ``max_in_flight`` saves are in flight. Returns the seconds waited."""
-        start = time.perf_counter()
-        with self._cond:
-            while self._in_flight >= self.max_in_flight and self._error is None:
-                self._cond.wait()
-            self._in_flight += 1
-            self._jobs.append(job)
-            self._cond.notify_all()
-        return time.perf_counter() - start
+    def save(self, trainer: Trainer, checkpoint: dict[str, Any], record: Record) -> None:
+        if self._queue is None or self._pool is None:
+            return
+        used: list[torch.Tensor] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        stable = frozenset() if self._eager else stable_storages(trainer)
+        data = snapshot(checkpoint, self._pool.take(), used, defer=stable, deferred=pairs)
+        del checkpoint
+        pool = self._pool
+        copy = DeferredCopy(pairs)
 
-    @property
+        def job() -> None:
+            try:
+                if copy.result():
+                    self.write_file(record, data)
+            finally:
+                data.clear()
+                pool.give(used)
+
+        self._copy = copy
+        self._queue.submit(job)
+
+    def complete_snapshot(self) -> float | None:
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return None
+        waited, intact = copy.complete()
+        if not intact and not self._eager:
+            self._eager = True
+            rank_zero_warn(
+                "DurableCheckpoint(async_save=True): parameters or optimizer state changed in place before the"
+                " optimizer step that followed a save (outside optimizer.step()); that checkpoint was dropped,"
+                " and from now on snapshots are copied before training goes on."
+            )
+        return waited
+
     def failed(self) -> bool:
-        """Whether a background write failed (and the error was not raised yet)."""
-        return self._error is not None
+        return self._queue is not None and self._queue.failed
 
-    def raise_error(self) -> None:
-        """Re-raise a background failure, once."""
-        with self._cond:
-            err, self._error = self._error, None
-        if err is not None:
-            raise err
+    def raise_failure(self) -> NoReturn:
+        if self._queue is not None and self._queue.failed:
+            queue, self._queue = self._queue, None
+            try:
+                queue.raise_error()
+            finally:
+                queue.close()
+        raise CheckpointWriteError("A background checkpoint write failed on rank 0 (see its error).")
 
     def flush(self) -> None:
-        """Wait until every queued save is finished (or one failed)."""
-        with self._cond:
-            while self._in_flight and self._error is None:
-                self._cond.wait()
+        if self._queue is not None:
+            self._queue.flush()
 
     def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
-        self.flush()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs and not self._closed:
-                    self._cond.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs[0]
-            try:
-                job()
-            except BaseException as err:  # kept for the training thread
-                with self._cond:
-                    self._error = err
-                    self._in_flight -= len(self._jobs)
-                    self._jobs.clear()
-                    self._cond.notify_all()
-                continue
-            with self._cond:
-                self._jobs.popleft()
-                self._in_flight -= 1
-                self._cond.notify_all()
+        self.complete_snapshot()
+        if self._queue is not None:
+            queue, self._queue = self._queue, None
+            queue.close()  # commit what was already snapshotted; errors were or will be reported
+        self._pool = None  # the CPU copies of the state

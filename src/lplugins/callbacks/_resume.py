@@ -1,21 +1,32 @@
-"""Resolving and loading the newest committed checkpoint, safely (``weights_only=True``)."""
+"""Resuming: ``"latest"`` resolved once, by :class:`LatestResolver`, for both ways Lightning loads a checkpoint.
+
+Lightning loads through the strategy's ``CheckpointIO`` (wrapped in :class:`SafeResumeIO`), except
+for strategies with their own ``load_checkpoint`` (DeepSpeed, FSDP2), which is wrapped on the
+instance. Both call the same resolver: ``"latest"`` becomes the newest committed, loadable checkpoint
+(or a fresh start), every rank must resolve the same path, and ``trainer.ckpt_path`` reports it.
+"""
 
 from __future__ import annotations
 
 import os
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from lplugins.callbacks._storage import Storage
+from lplugins import _lightning
+from lplugins.callbacks._collective import agree_on_path
+from lplugins.callbacks._errors import UnsafeCheckpointError
+from lplugins.callbacks._storage import open_storage
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+__all__ = ["LATEST", "LatestResolver", "NoCheckpoint", "SafeResumeIO", "latest_checkpoint", "load_weights_only"]
 
 #: The ``ckpt_path`` value that resolves to the newest committed, loadable checkpoint.
 LATEST = "latest"
-
-
-class UnsafeCheckpointError(RuntimeError):
-    """A checkpoint holds objects that ``torch.load(weights_only=True)`` refuses; nothing in it was run."""
 
 
 def latest_checkpoint(dirpath: str | os.PathLike[str], *, deep: bool = False) -> str | None:
@@ -39,10 +50,9 @@ def latest_checkpoint(dirpath: str | os.PathLike[str], *, deep: bool = False) ->
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True
     """
-    records = Storage(os.fspath(dirpath)).find_committed(deep=deep)
-    if not records:
-        return None
-    return Storage(os.fspath(dirpath)).path(records[-1].name)
+    storage = open_storage(dirpath)
+    records = storage.find_committed(deep=deep)
+    return storage.path(records[-1].name) if records else None
 
 
 def load_weights_only(io: CheckpointIO, path: Any, map_location: Any = None) -> dict[str, Any]:
@@ -70,29 +80,98 @@ class NoCheckpoint(dict[str, Any]):
     def __bool__(self) -> bool:
         return False
 
+    @classmethod
+    def new(cls) -> NoCheckpoint:
+        """An empty checkpoint that carries the Lightning version (Lightning reads it)."""
+        import lightning
+
+        return cls({"pytorch-lightning_version": lightning.__version__})
+
+
+class LatestResolver:
+    """Resolves the ``ckpt_path`` of one trainer's loads, and installs itself in front of both load paths.
+
+    Args:
+        trainer: The trainer whose loads go through it.
+        dirpath: The checkpoint directory ``"latest"`` refers to.
+        deep: Check every byte's CRC of the candidates for ``"latest"``.
+    """
+
+    def __init__(self, trainer: Trainer, dirpath: str, deep: bool = False) -> None:
+        self.trainer = trainer
+        self.dirpath = dirpath
+        self.deep = deep
+        #: What the last ``"latest"`` resolved to.
+        self.resolved: str | None = None
+        self._io: SafeResumeIO | None = None
+
+    def resolve(self, path: Any) -> Any:
+        """The checkpoint to load for ``path``, or ``None`` for a fresh start; all ranks must agree (collective).
+
+        Raises:
+            CheckpointResumeError: ranks resolved different paths.
+        """
+        if not (isinstance(path, str) and path == LATEST):
+            agree_on_path(self.trainer, os.fspath(path))
+            return path
+        resolved = latest_checkpoint(self.dirpath, deep=self.deep)
+        agree_on_path(self.trainer, resolved)
+        self.resolved = resolved
+        _lightning.set_ckpt_path(self.trainer, resolved)
+        return resolved
+
+    def install(self) -> None:
+        """Resolve in front of the strategy's ``CheckpointIO`` and, if it has one, its own ``load_checkpoint``."""
+        strategy = self.trainer.strategy
+        if not isinstance(strategy.checkpoint_io, SafeResumeIO):
+            self._io = SafeResumeIO(strategy.checkpoint_io, self)
+            strategy.checkpoint_io = self._io
+        if loads_itself(self.trainer):
+            _lightning.wrap_strategy_load(strategy, self._resolving_load)
+
+    def uninstall(self) -> None:
+        """Give the strategy its own ``CheckpointIO`` and ``load_checkpoint`` back."""
+        strategy = self.trainer.strategy
+        if self._io is not None and strategy.checkpoint_io is self._io:
+            strategy.checkpoint_io = self._io.inner
+        self._io = None
+        _lightning.unwrap_strategy_load(strategy)
+
+    def _resolving_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The strategy's own ``load_checkpoint`` with the path resolved in front."""
+        strategy = self.trainer.strategy
+
+        def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            target = self.resolve(checkpoint_path)
+            if target is None:
+                return NoCheckpoint.new()
+            if "weights_only" in kwargs and not hasattr(strategy, "deepspeed_engine"):
+                kwargs["weights_only"] = True  # DeepSpeed's engine loads its own files (docs/checkpoint.md)
+            return original(target, *args, **kwargs)
+
+        return load_checkpoint
+
+
+def loads_itself(trainer: Trainer) -> bool:
+    """Whether the strategy has its own ``load_checkpoint`` (DeepSpeed, FSDP2: they bypass ``CheckpointIO``)."""
+    from lightning.pytorch.strategies import Strategy
+
+    return type(trainer.strategy).load_checkpoint is not Strategy.load_checkpoint
+
 
 class SafeResumeIO(CheckpointIO):
-    """Wraps the strategy's ``CheckpointIO``: resolves ``"latest"``, checks all ranks agree, loads weights-only.
+    """Wraps the strategy's ``CheckpointIO``: loads go through a :class:`LatestResolver`, weights-only.
 
     Saving and removing are passed through unchanged.
 
     Args:
         inner: The strategy's original ``CheckpointIO``.
-        dirpath: The checkpoint directory ``"latest"`` refers to.
-        agree: Called with this rank's resolved path on every rank; raises unless all ranks agree.
-        deep: Check every byte's CRC of the candidates for ``"latest"``.
-        on_resolved: Called with what ``"latest"`` resolved to (the path, or None).
+        resolver: Resolves the path of every load.
     """
 
-    def __init__(
-        self, inner: CheckpointIO, dirpath: str, agree: Any, deep: bool = False, on_resolved: Any = None
-    ) -> None:
+    def __init__(self, inner: CheckpointIO, resolver: LatestResolver) -> None:
         self.inner = inner
-        self.deep = deep
-        self.on_resolved = on_resolved
-        self.dirpath = dirpath
-        self._agree = agree
-        self.resolved: str | None = None
+        self.resolver = resolver
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -106,23 +185,13 @@ class SafeResumeIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if isinstance(path, str) and path == LATEST:
-            resolved = latest_checkpoint(self.dirpath, deep=self.deep)
-            self._agree(resolved)
-            self.resolved = resolved
-            if self.on_resolved is not None:
-                self.on_resolved(resolved)
-            if resolved is None:
-                import lightning
-
-                return NoCheckpoint({"pytorch-lightning_version": lightning.__version__})
-            path = resolved
-        else:
-            self._agree(os.fspath(path))
+        target = self.resolver.resolve(path)
+        if target is None:
+            return NoCheckpoint.new()
         if weights_only is False:
             from lightning.pytorch.utilities import rank_zero_warn
 
             rank_zero_warn(
                 "DurableCheckpoint loads every checkpoint with weights_only=True; ignoring weights_only=False."
             )
-        return load_weights_only(self.inner, path, map_location)
+        return load_weights_only(self.inner, target, map_location)

@@ -1,59 +1,35 @@
-"""On-disk layout and the atomic, durable commit protocol of :class:`~lplugins.callbacks.DurableCheckpoint`.
+"""The ``Storage`` protocol: file operations on one checkpoint directory, and the commit protocol on top.
 
-A checkpoint directory holds, for every committed checkpoint ``NAME``:
+A checkpoint exists for resume only when its commit marker (``NAME.commit``, see
+:mod:`~lplugins.callbacks._record`) exists and the data matches it. Everything is written under a
+temporary name in the target directory, flushed and ``fsync``-ed, then renamed; the directory is
+``fsync``-ed after every rename, so a crash at any instant leaves either the previous state or the
+new one. Uncommitted leftovers (``.tmp.*`` entries, data without a marker) are invisible to
+:meth:`Storage.find_committed` and removed by :meth:`Storage.clean_leftovers`.
 
-* ``NAME`` -- the data: a file (``torch.save`` zip) or a directory (sharded strategies such as DeepSpeed);
-* ``NAME.commit`` -- the commit marker, a small JSON record written *last*.
-
-A checkpoint exists for resume only when its marker exists and the data matches it. Everything is
-written under a temporary name (``.tmp.*``) in the target directory, flushed and ``fsync``-ed, then
-renamed; the directory is ``fsync``-ed after every rename, so a crash at any instant leaves either
-the previous state or the new one. Uncommitted leftovers (``.tmp.*`` entries, data without a
-marker) are invisible to :func:`find_committed` and removed by :func:`clean_leftovers`.
-
-Remote ``fsspec`` paths get the same order of operations (data first, marker last, marker removed
-first on delete) but no ``fsync``: durability is whatever the store gives a finished upload.
-
-Checkpoint data goes through :class:`StreamWriter`: ``torch.save`` writes into it, it passes the bytes
-straight to the file descriptor, asks the kernel to start writing them back every few MiB (so the
-final ``fsync`` only waits for the tail), and computes the CRC32 of the whole file without holding
-the writes up (tensor storages are hashed in place on a second thread while ``torch.save`` pickles).
-The CRC goes into the commit marker, where ``verify="deep"`` checks it.
+:class:`Storage` declares the primitives (abstract) and implements the commit protocol once, on top
+of them. Two implementations: :class:`~lplugins.callbacks._storage_local.LocalStorage` (with
+``fsync``) and :class:`~lplugins.callbacks._storage_fsspec.FsspecStorage` (remote ``fsspec`` URLs:
+the same order of operations, data first, marker last, marker removed first on delete, but no
+``fsync``: durability is whatever the store gives a finished upload). :func:`open_storage` picks one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
-import json
 import os
-import re
-import shutil
-import sys
-import threading
-import time
 import uuid
-import zipfile
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from types import TracebackType
 from typing import IO, Any
 
-COMMIT_SUFFIX = ".commit"
-TMP_PREFIX = ".tmp."
-FORMAT_VERSION = 1
-NAME_RE = re.compile(r"^step=(\d+)-epoch=(\d+)(-v\d+)?\.ckpt$")
+from lplugins.callbacks._record import COMMIT_SUFFIX, NAME_RE, TMP_PREFIX, Record, order
+from lplugins.callbacks._stream import StreamWriter
 
+__all__ = ["Storage", "is_remote", "open_storage"]
 
-def checkpoint_name(global_step: int, epoch: int, version: int = 0) -> str:
-    """The name of the checkpoint taken after ``global_step`` optimizer steps in ``epoch``.
-
-    ``version`` > 0 adds ``-vN``: a name that a checkpoint of another run holds already is never reused.
-    """
-    suffix = f"-v{version}" if version else ""
-    return f"step={global_step:09d}-epoch={epoch:04d}{suffix}.ckpt"
+_CHUNK = 8 << 20
 
 
 def is_remote(path: str) -> bool:
@@ -61,61 +37,23 @@ def is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def _local(path: str) -> str:
-    return path[len("file://") :] if path.startswith("file://") else path
+def open_storage(dirpath: str | os.PathLike[str]) -> Storage:
+    """The :class:`Storage` for ``dirpath``: fsspec for a URL, local otherwise.
 
-
-@dataclass
-class Record:
-    """What a commit marker says about one committed checkpoint.
-
-    Attributes:
-        name: The checkpoint's name in its directory.
-        global_step: ``trainer.global_step`` when it was taken.
-        epoch: ``trainer.current_epoch`` when it was taken.
-        time: Wall-clock time of the commit (seconds since the epoch).
-        kind: ``"file"`` or ``"dir"``.
-        size: Size in bytes of a file checkpoint.
-        files: For a directory checkpoint, each file's relative path and size.
-        monitor: The monitored metric's name, if any.
-        metric: Its value when the checkpoint was taken, if it was logged.
-        reason: What triggered the save (``"step"``, ``"epoch"``, ``"time"``, ``"request"``, ...).
-        seq: Commit sequence number in this directory (1, 2, ...): "newest" means the highest, whatever
-            the step numbers and clocks say (a fresh run in a used directory is newer than the old run).
-        crc32: CRC32 of the whole file checkpoint, when it was computed (``verify="deep"`` checks it).
-        zip_crc: Whether the archive's per-record CRC32s were written (checked by ``verify="deep"``
-            when there is no ``crc32``).
+    >>> import tempfile
+    >>> type(open_storage(tempfile.mkdtemp())).__name__
+    'LocalStorage'
     """
+    # imported here: both implementations import this module for the base class
+    from lplugins.callbacks._storage_fsspec import FsspecStorage
+    from lplugins.callbacks._storage_local import LocalStorage
 
-    name: str
-    global_step: int
-    epoch: int
-    time: float
-    kind: str = "file"
-    size: int = 0
-    files: dict[str, int] = field(default_factory=dict)
-    monitor: str | None = None
-    metric: float | None = None
-    reason: str = ""
-    seq: int = 0
-    crc32: int | None = None
-    zip_crc: bool = True
-    format: int = FORMAT_VERSION
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Record:
-        data = json.loads(raw)
-        if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
-            raise ValueError("not a commit marker of a known format")
-        allowed = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in allowed})
+    path = os.fspath(dirpath)
+    return FsspecStorage(path) if is_remote(path) else LocalStorage(path)
 
 
-class Storage:
-    """File operations on one checkpoint directory, local (with ``fsync``) or fsspec remote (without).
+class Storage(ABC):
+    """One checkpoint directory: abstract file primitives, and the commit protocol written once on top.
 
     Args:
         dirpath: The checkpoint directory (a local path or an fsspec URL).
@@ -123,76 +61,82 @@ class Storage:
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = str(dirpath)
-        self.remote = is_remote(self.dirpath)
-        self._fs: Any = None
-        if self.remote:
-            import fsspec
 
-            self._fs = fsspec.core.url_to_fs(self.dirpath)[0]
-
-    # --- paths -------------------------------------------------------------------------------
+    # --- primitives (each implementation) ------------------------------------------------------
+    @abstractmethod
     def path(self, name: str) -> str:
         """The full path of entry ``name``."""
-        if self.remote:
-            return self.dirpath.rstrip("/") + "/" + name
-        return os.path.join(_local(self.dirpath), name)
 
+    @abstractmethod
+    def makedirs(self) -> None:
+        """Create the directory (and parents)."""
+
+    @abstractmethod
+    def listdir(self) -> list[str]:
+        """Entry names in the directory (empty when it does not exist)."""
+
+    @abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether entry ``name`` exists."""
+
+    @abstractmethod
+    def isdir(self, name: str) -> bool:
+        """Whether entry ``name`` is a directory."""
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """Size in bytes of file ``name``."""
+
+    @abstractmethod
+    def tree_sizes(self, name: str) -> dict[str, int]:
+        """Relative path -> size of every file under directory ``name``."""
+
+    @abstractmethod
+    def open_read(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Open file ``name`` for reading (binary)."""
+
+    @abstractmethod
+    def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Open a new file ``name`` for writing (binary)."""
+
+    @abstractmethod
+    def rename(self, src: str, dst: str, sync_dir: bool = True) -> None:
+        """Rename entry ``src`` to ``dst`` (atomic locally; copy+delete on most object stores) and persist it."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Remove entry ``name`` (file or directory); missing entries are ignored."""
+
+    @abstractmethod
+    def _write_tmp(self, tmp: str, write: Callable[[Any], None]) -> None:
+        """Have ``write`` fill the new temporary file ``tmp`` (given its path or an open file), durably."""
+
+    @abstractmethod
+    def _stream_tmp(
+        self, tmp: str, write: Callable[[StreamWriter], None], checksum: bool, stable: dict[int, int] | None
+    ) -> int | None:
+        """Have ``write`` fill the new temporary file ``tmp`` through a :class:`StreamWriter`; its CRC32."""
+
+    @abstractmethod
+    def fsync_dir(self) -> None:
+        """Make renames and unlinks in the directory durable (no-op where there is no ``fsync``)."""
+
+    @abstractmethod
+    def fsync_tree(self, name: str) -> None:
+        """``fsync`` a file, or everything under a directory (no-op where there is no ``fsync``)."""
+
+    @abstractmethod
+    def sync_file(self, f: IO[bytes]) -> None:
+        """``fsync`` an open, flushed file (no-op where there is no ``fsync``)."""
+
+    def archive_problem(self, record: Record, deep: bool) -> str | None:
+        """What is wrong with a file checkpoint's zip archive, or ``None`` (not checked where reading is costly)."""
+        return None
+
+    # --- writing -------------------------------------------------------------------------------
     def tmp_name(self, name: str, unique: bool = True) -> str:
         """A temporary name for ``name`` in the same directory (same filesystem, so rename is atomic)."""
         return f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:12]}" if unique else f"{TMP_PREFIX}{name}"
-
-    # --- primitives ----------------------------------------------------------------------------
-    def makedirs(self) -> None:
-        """Create the directory (and parents)."""
-        if self.remote:
-            self._fs.makedirs(self.dirpath, exist_ok=True)
-        else:
-            os.makedirs(_local(self.dirpath), exist_ok=True)
-
-    def listdir(self) -> list[str]:
-        """Entry names in the directory (empty when it does not exist)."""
-        if self.remote:
-            try:
-                return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self.dirpath, detail=False)]
-            except FileNotFoundError:
-                return []
-        try:
-            return os.listdir(_local(self.dirpath))
-        except FileNotFoundError:
-            return []
-
-    def exists(self, name: str) -> bool:
-        """Whether entry ``name`` exists."""
-        return bool(self._fs.exists(self.path(name))) if self.remote else os.path.lexists(self.path(name))
-
-    def fsync_dir(self) -> None:
-        """Make renames and unlinks in the directory durable (no-op on remote stores)."""
-        if self.remote:
-            return
-        fd = os.open(_local(self.dirpath), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def fsync_tree(self, name: str) -> None:
-        """``fsync`` a file, or every file and directory under a directory (no-op on remote stores)."""
-        if self.remote:
-            return
-        top = self.path(name)
-        if os.path.isdir(top):
-            for root, _dirs, files in os.walk(top):
-                for f in files:
-                    _fsync_path(os.path.join(root, f))
-                _fsync_path(root)
-        else:
-            _fsync_path(top)
-
-    def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        """Open ``name`` for writing (binary)."""
-        if self.remote:
-            return self._fs.open(self.path(name), "wb")
-        return open(self.path(name), "xb")  # "x": never overwrite anything in place
 
     def write_durable(self, name: str, write: Callable[[Any], None], sync_dir: bool = True) -> None:
         """Write ``name`` atomically: write to a temporary name, flush, ``fsync``, rename, ``fsync`` the directory.
@@ -209,16 +153,10 @@ class Storage:
             FileExistsError: ``name`` exists already (a finished file is never overwritten).
             OSError: the write failed; the temporary file is removed and nothing else changed.
         """
-        if self.exists(name):
-            raise FileExistsError(f"{self.path(name)} exists already; a committed file is never overwritten")
+        self._refuse_existing(name)
         tmp = self.tmp_name(name)
         try:
-            if self.remote:
-                with self.open_write(tmp) as f:
-                    write(f)
-            else:
-                write(self.path(tmp))
-                _fsync_path(self.path(tmp))
+            self._write_tmp(tmp, write)
             self.rename(tmp, name, sync_dir=sync_dir)
         except BaseException:
             self.remove(tmp)
@@ -244,85 +182,54 @@ class Storage:
             FileExistsError: ``name`` exists already.
             OSError: the write failed; the temporary file is removed and nothing else changed.
         """
-        if self.exists(name):
-            raise FileExistsError(f"{self.path(name)} exists already; a committed file is never overwritten")
+        self._refuse_existing(name)
         tmp = self.tmp_name(name)
         try:
-            if self.remote:
-                with self.open_write(tmp) as f, StreamWriter(f, checksum=checksum, stable=stable) as stream:
-                    write(stream)
-                    crc = stream.finish()
-            else:
-                fd = os.open(self.path(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-                try:
-                    with StreamWriter(fd, checksum=checksum, stable=stable) as stream:
-                        write(stream)
-                        crc = stream.finish()
-                finally:
-                    os.close(fd)
+            crc = self._stream_tmp(tmp, write, checksum, stable)
             self.rename(tmp, name, sync_dir=False)
         except BaseException:
             self.remove(tmp)
             raise
         return crc
 
-    def rename(self, src: str, dst: str, sync_dir: bool = True) -> None:
-        """Rename entry ``src`` to ``dst`` (atomic locally; copy+delete on most object stores) and persist it."""
-        if self.remote:
-            self._fs.mv(self.path(src), self.path(dst), recursive=True)
-            return
-        if os.path.lexists(self.path(dst)):
-            raise FileExistsError(f"{self.path(dst)} exists already; a committed checkpoint is never overwritten")
-        os.rename(self.path(src), self.path(dst))
-        if sync_dir:
-            self.fsync_dir()
-
-    def remove(self, name: str) -> None:
-        """Remove entry ``name`` (file or directory); missing entries are ignored."""
-        path = self.path(name)
-        if self.remote:
-            with contextlib.suppress(FileNotFoundError):
-                self._fs.rm(path, recursive=True)
-            return
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
+    def _refuse_existing(self, name: str) -> None:
+        if self.exists(name):
+            raise FileExistsError(f"{self.path(name)} exists already; a committed file is never overwritten")
 
     def read_bytes(self, name: str) -> bytes:
         """The contents of file ``name``."""
-        if self.remote:
-            return bytes(self._fs.cat_file(self.path(name)))
-        with open(self.path(name), "rb") as f:
+        with self.open_read(name) as f:
             return f.read()
 
-    def size(self, name: str) -> int:
-        """Size in bytes of file ``name``."""
-        return int(self._fs.size(self.path(name))) if self.remote else os.path.getsize(self.path(name))
+    def file_crc32(self, name: str) -> int:
+        """CRC32 of every byte of file ``name``."""
+        crc = 0
+        with self.open_read(name) as f:
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+        return crc
 
-    def isdir(self, name: str) -> bool:
-        """Whether entry ``name`` is a directory."""
-        return bool(self._fs.isdir(self.path(name))) if self.remote else os.path.isdir(self.path(name))
+    def probe_writable(self) -> None:
+        """Create, sync and delete a file in the directory.
 
-    def tree_sizes(self, name: str) -> dict[str, int]:
-        """Relative path -> size of every file under directory ``name``."""
-        top = self.path(name)
-        out: dict[str, int] = {}
-        if self.remote:
-            for p, info in self._fs.find(top, detail=True).items():
-                out[p[len(top) :].lstrip("/")] = int(info.get("size", 0))
-            return out
-        for root, _dirs, files in os.walk(top):
-            for f in files:
-                full = os.path.join(root, f)
-                out[os.path.relpath(full, top)] = os.path.getsize(full)
-        return out
+        Raises:
+            OSError: the directory cannot be created or written.
+        """
+        self.makedirs()
+        name = f"{TMP_PREFIX}probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            with self.open_write(name) as f:
+                f.write(b"ok")
+                f.flush()
+                self.sync_file(f)
+        finally:
+            self.remove(name)
 
     # --- the commit protocol -------------------------------------------------------------------
     def commit(self, record: Record) -> None:
         """Write the commit marker of ``record.name`` (durably, last). The data must be in place and synced."""
-        self.write_durable(record.name + COMMIT_SUFFIX, lambda target: write_bytes(target, record.to_json()))
+        data = record.to_json()
+        self.write_durable(record.name + COMMIT_SUFFIX, lambda target: _write_bytes(target, data))
 
     def delete(self, name: str) -> None:
         """Delete a committed checkpoint: the marker first (it stops being visible), then the data.
@@ -339,7 +246,7 @@ class Storage:
 
         Args:
             record: The commit record.
-            deep: Also read every byte of a file checkpoint and check its zip CRCs.
+            deep: Also read every byte of a file checkpoint and check its CRC32 (or its zip CRCs).
         """
         name = record.name
         if not self.exists(name):
@@ -364,23 +271,7 @@ class Storage:
             except OSError as err:
                 return f"unreadable: {err}"
             return None if crc == record.crc32 else f"CRC32 {crc:#010x} != committed {record.crc32:#010x}"
-        if self.remote:
-            return None
-        try:
-            with zipfile.ZipFile(self.path(name)) as zf:
-                if deep and record.zip_crc and (bad := zf.testzip()) is not None:
-                    return f"CRC mismatch in {bad}"
-        except (zipfile.BadZipFile, OSError) as err:
-            return f"not a readable checkpoint archive: {err}"
-        return None
-
-    def file_crc32(self, name: str) -> int:
-        """CRC32 of every byte of file ``name``."""
-        crc = 0
-        with self._fs.open(self.path(name), "rb") if self.remote else open(self.path(name), "rb") as f:
-            while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        return crc
+        return self.archive_problem(record, deep)
 
     def records(self) -> Iterator[tuple[Record | None, str]]:
         """Every commit marker in the directory: ``(record, marker name)``; ``record`` is None when unreadable."""
@@ -424,230 +315,11 @@ class Storage:
             self.fsync_dir()
         return removed
 
-    def probe_writable(self) -> None:
-        """Create, sync and delete a file in the directory.
 
-        Raises:
-            OSError: the directory cannot be created or written.
-        """
-        self.makedirs()
-        name = f"{TMP_PREFIX}probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        try:
-            with self.open_write(name) as f:
-                f.write(b"ok")
-                f.flush()
-                if not self.remote:
-                    os.fsync(f.fileno())
-        finally:
-            self.remove(name)
-
-
-_CHUNK = 8 << 20
-#: Start the kernel's write-back after every this many bytes (``sync_file_range``; Linux only).
-WRITEBACK_BYTES = 8 << 20
-#: Writes at least this large whose memory is "stable" are hashed in place on the second thread.
-_IN_PLACE_BYTES = 64 << 10
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range: Any = None
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``nbytes`` at ``offset`` back to disk, without waiting (advisory)."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError):
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _sync_file_range = fn
-    if _sync_file_range:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a failure only means no early write-back
-
-
-def _address(view: memoryview) -> int | None:
-    """The address of a read-only buffer's memory (None without NumPy: then every piece is hashed as written)."""
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover -- torchmetrics requires NumPy
-        return None
-    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
-
-
-# CRC32 of a concatenation from the CRC32s of its parts (zlib's crc32_combine; Python's zlib lacks it):
-# polynomial arithmetic modulo the CRC-32 polynomial over GF(2), bit-reflected as in zlib.
-_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo the CRC polynomial (``a`` nonzero)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-@functools.lru_cache(maxsize=1024)
-def _shift(nbytes: int) -> int:
-    """``x^(8 * nbytes)`` modulo the CRC polynomial."""
-    p, k, n = 1 << 31, 3, nbytes
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``."""
-    return _multmodp(_shift(len2), crc1) ^ crc2 if len2 else crc1
-
-
-class StreamWriter:
-    """A write-only binary stream for ``torch.save``: direct writes, early write-back, CRC32 off the critical path.
-
-    ``torch.save`` pickles first, then hands every tensor storage to ``write`` in one piece, straight
-    from the tensor's memory. Writes go to the descriptor (``os.write``; no user-space buffer); every
-    :data:`WRITEBACK_BYTES` the kernel is asked to start flushing what was written, so
-    :meth:`finish`'s ``fsync`` only waits for the tail.
-
-    With ``checksum``, the CRC32 of the whole stream is computed without holding the writes up: the
-    storages listed in ``stable`` are hashed in place by a second thread that starts right away (while
-    ``torch.save`` is still pickling), everything else is hashed as it is written, and :meth:`finish`
-    combines the pieces' CRCs in stream order.
-
-    Args:
-        target: An open file descriptor (local, synced by :meth:`finish`) or a binary file object.
-        checksum: Compute the CRC32 of everything written.
-        stable: ``{address: size}`` of memory that stays valid and unchanged until :meth:`finish` or
-            the end of the ``with`` block (the tensor storages of the object being saved).
-    """
-
-    def __init__(self, target: int | IO[bytes], *, checksum: bool, stable: dict[int, int] | None = None) -> None:
-        self._target = target
-        self._checksum = checksum
-        self._stable = dict(stable or {}) if checksum else {}
-        self._offset = 0
-        self._flushed = 0
-        self._run_crc = 0  # CRC32 of the bytes written since the last stable piece
-        self._run_len = 0
-        self._pieces: list[tuple[int, int, int | None]] = []  # (crc, length, stable address or None)
-        self._crcs: dict[int, int] = {}
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        if self._stable:
-            self._thread = threading.Thread(target=self._hash, name="lplugins-checkpoint-crc32", daemon=True)
-            self._thread.start()
-
-    def _hash(self) -> None:
-        try:
-            for address, size in self._stable.items():
-                self._crcs[address] = zlib.crc32((ctypes.c_char * size).from_address(address))
-        except BaseException as err:  # kept for finish()
-            self._error = err
-
-    def write(self, data: Any) -> int:
-        """Write all of ``data`` (any buffer); return its length."""
-        view = memoryview(data).cast("B")
-        size = len(view)
-        if self._checksum:
-            address = _address(view) if size >= _IN_PLACE_BYTES and self._stable else None
-            if address is not None and self._stable.get(address) == size:
-                self._pieces.append((self._run_crc, self._run_len, None))
-                self._pieces.append((0, size, address))
-                self._run_crc, self._run_len = 0, 0
-            else:
-                self._run_crc = zlib.crc32(view, self._run_crc)
-                self._run_len += size
-        if isinstance(self._target, int):
-            done = 0
-            while done < size:
-                done += os.write(self._target, view[done:])
-            self._offset += size
-            if self._offset - self._flushed >= WRITEBACK_BYTES:
-                _start_writeback(self._target, self._flushed, self._offset - self._flushed)
-                self._flushed = self._offset
-        else:
-            self._target.write(view)
-            self._offset += size
-        return size
-
-    def flush(self) -> None:
-        """Nothing is buffered here (``torch.save`` calls it)."""
-
-    def writable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._offset
-
-    def finish(self) -> int | None:
-        """``fsync`` a descriptor target, then return the CRC32 of the stream (None without ``checksum``)."""
-        if isinstance(self._target, int):
-            os.fsync(self._target)
-        self._join()
-        if not self._checksum:
-            return None
-        if self._error is not None:
-            raise self._error
-        crc = 0
-        for piece_crc, length, address in [*self._pieces, (self._run_crc, self._run_len, None)]:
-            crc = crc32_combine(crc, self._crcs[address] if address is not None else piece_crc, length)
-        return crc
-
-    def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> StreamWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._join()  # the hashing thread reads the caller's memory: it must be done when the caller goes on
-
-
-def order(record: Record) -> tuple[int, int, float]:
-    """Sort key: commit order."""
-    return (record.seq, record.global_step, record.time)
-
-
-def write_bytes(target: Any, data: bytes) -> None:
+def _write_bytes(target: Any, data: bytes) -> None:
     """Write ``data`` to a path or an open binary file."""
     if isinstance(target, str):
         with open(target, "xb") as f:
             f.write(data)
     else:
         target.write(data)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def now() -> float:
-    """Wall-clock time for commit records."""
-    return time.time()

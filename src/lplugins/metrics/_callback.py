@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
+from functools import partialmethod
 from typing import Any
 
 import torch
@@ -12,6 +13,8 @@ from torchmetrics import Metric, MetricCollection
 from typing_extensions import override
 
 from lplugins._errors import LPluginsError
+from lplugins._validate import positive_int
+from lplugins.metrics._window import window_length
 
 #: The stages a MetricsCallback can watch.
 STAGES: tuple[str, ...] = ("train", "val", "test")
@@ -180,13 +183,7 @@ class MetricsCallback(Callback):
         unknown = [s for s in stages if s not in STAGES]
         if unknown:
             raise LPluginsError(f"MetricsCallback(stages={list(stages)!r}): unknown {unknown}; allowed: {STAGES}.")
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise LPluginsError(
-                f"MetricsCallback(log_every_n_steps={log_every_n_steps!r}): give a positive int, or None to use "
-                f"the Trainer's log_every_n_steps."
-            )
+        positive_int("log_every_n_steps", log_every_n_steps, optional=True, owner="MetricsCallback")
         if len(set(stages)) > 1 and "{stage}" not in prefix:
             raise LPluginsError(
                 f"MetricsCallback(prefix={prefix!r}): with several stages the prefix must contain '{{stage}}', "
@@ -216,9 +213,6 @@ class MetricsCallback(Callback):
         for collection in self.collections.values():
             collection.to(pl_module.device)
             collection.reset()
-
-    def _interval(self, trainer: Trainer) -> int:
-        return self.log_every_n_steps or max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
 
     def _update(self, stage: str, outputs: Any, batch: Any) -> None:
         if self.extract is not None:
@@ -269,7 +263,7 @@ class MetricsCallback(Callback):
             return
         self._update("train", outputs, batch)
         self._train_batches += 1
-        if self._train_batches % self._interval(trainer) == 0:
+        if self._train_batches % window_length(trainer, self.log_every_n_steps) == 0:
             self._emit("train", trainer)
 
     @override
@@ -278,55 +272,32 @@ class MetricsCallback(Callback):
             self._emit("train", trainer)
 
     # ------------------------------------------------------------------------------ evaluation
-    def _eval_start(self, stage: str) -> None:
+    # The same three steps for "val" and "test"; Lightning's hooks are bound to them at the end.
+    def _eval_start(self, stage: str, trainer: Trainer, pl_module: LightningModule) -> None:
         if stage in self.collections:
             self.collections[stage].reset()
             self._pending[stage] = False
 
-    def _eval_batch(self, stage: str, trainer: Trainer, outputs: Any, batch: Any) -> None:
+    def _eval_batch(
+        self,
+        stage: str,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if stage in self.collections and not trainer.sanity_checking:
             self._update(stage, outputs, batch)
 
-    def _eval_end(self, stage: str, trainer: Trainer) -> None:
+    def _eval_end(self, stage: str, trainer: Trainer, pl_module: LightningModule) -> None:
         if stage in self.collections and not trainer.sanity_checking:
             self._emit(stage, trainer)
 
-    @override
-    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._eval_start("val")
-
-    @override
-    def on_validation_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_batch("val", trainer, outputs, batch)
-
-    @override
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._eval_end("val", trainer)
-
-    @override
-    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._eval_start("test")
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_batch("test", trainer, outputs, batch)
-
-    @override
-    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._eval_end("test", trainer)
+    on_validation_epoch_start = partialmethod(_eval_start, "val")
+    on_validation_batch_end = partialmethod(_eval_batch, "val")
+    on_validation_epoch_end = partialmethod(_eval_end, "val")
+    on_test_epoch_start = partialmethod(_eval_start, "test")
+    on_test_batch_end = partialmethod(_eval_batch, "test")
+    on_test_epoch_end = partialmethod(_eval_end, "test")

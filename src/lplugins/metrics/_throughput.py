@@ -11,6 +11,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lplugins._errors import LPluginsError
+from lplugins._validate import positive_int
+from lplugins.metrics._window import window_length
 
 
 def infer_batch_size(batch: Any) -> int:
@@ -80,8 +82,7 @@ class ThroughputCallback(Callback):
     ) -> None:
         super().__init__()
         for name, value in (("log_every_n_steps", log_every_n_steps), ("seq_len", seq_len)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise LPluginsError(f"ThroughputCallback({name}={value!r}): give a positive int or None.")
+            positive_int(name, value, optional=True, owner="ThroughputCallback")
         if seq_len is not None and tokens_fn is not None:
             raise LPluginsError("ThroughputCallback: give seq_len or tokens_fn, not both.")
         for name, fn in (("tokens_fn", tokens_fn), ("batch_size_fn", batch_size_fn)):
@@ -126,8 +127,7 @@ class ThroughputCallback(Callback):
             self._tokens += size * self.seq_len
         self._batches += 1
         self._seen += 1
-        interval = self.log_every_n_steps or max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
-        if self._seen % interval == 0:
+        if self._seen % window_length(trainer, self.log_every_n_steps) == 0:
             self._emit(trainer, pl_module)
 
     @override

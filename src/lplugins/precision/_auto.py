@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 #: Lightning's own precision inputs, accepted unchanged.
 LIGHTNING_PRECISIONS: tuple[str, ...] = (
@@ -66,7 +66,11 @@ def resolve_accelerator(accelerator: object) -> str:
 
 
 def probe_capabilities(accelerator: str, *, cpu_bf16: bool = False) -> dict[str, Any]:
-    """Facts about the hardware that ``auto`` decides on."""
+    """Facts about the hardware that ``auto`` decides on.
+
+    Raises:
+        CompositionError: ``accelerator="cuda"`` on a machine without a CUDA device.
+    """
     caps: dict[str, Any] = {"cpu_bf16": cpu_bf16}
     if accelerator == "cuda":
         import torch
@@ -78,26 +82,34 @@ def probe_capabilities(accelerator: str, *, cpu_bf16: bool = False) -> dict[str,
                 "precision='auto' with accelerator='cuda'/'gpu': no CUDA device is available here, so there is no "
                 "hardware to choose for. Use accelerator='auto' or 'cpu', or give a precision name."
             )
-        if torch.cuda.is_available():
-            caps["cuda_capability"] = tuple(torch.cuda.get_device_capability())
-            caps["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
-            caps["device_name"] = torch.cuda.get_device_name()
+        caps["cuda_capability"] = tuple(torch.cuda.get_device_capability())
+        caps["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
+        caps["device_name"] = torch.cuda.get_device_name()
     return caps
 
 
-def choose_precision(accelerator: str, capabilities: Mapping[str, Any], manager: Any = None) -> tuple[str, str]:
+class PluginHooks(Protocol):
+    """Anything with pluggy's hook relay for the lplugins hooks, such as :class:`lplugins.PluginManager`."""
+
+    @property
+    def hook(self) -> Any: ...
+
+
+def choose_precision(accelerator: str, capabilities: Mapping[str, Any], manager: PluginHooks) -> tuple[str, str]:
     """What ``precision="auto"`` becomes: plugins are asked first (``lplugins_choose_precision``,
     latest-loaded first), then :func:`default_precision` decides. Returns ``(precision, reason)``.
 
     Args:
         accelerator: ``"cpu"``, ``"cuda"``, ...
         capabilities: hardware facts (see :func:`probe_capabilities`).
-        manager: the plugin manager (default: the process-wide one).
-    """
-    if manager is None:
-        from lplugins._manager import get_manager
+        manager: the plugin manager whose plugins are asked (``lplugins.get_manager()`` for the
+            process-wide one).
 
-        manager = get_manager()
+    >>> import types
+    >>> nobody = types.SimpleNamespace(hook=types.SimpleNamespace(lplugins_choose_precision=lambda **kw: None))
+    >>> choose_precision("cuda", {"bf16_supported": True}, nobody)
+    ('bf16-mixed', 'CUDA device supports bf16: bf16 mixed precision needs no loss scaling')
+    """
     chosen = manager.hook.lplugins_choose_precision(accelerator=accelerator, capabilities=dict(capabilities))
     if chosen is not None:
         return str(chosen), "chosen by a plugin's lplugins_choose_precision hook"

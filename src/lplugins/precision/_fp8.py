@@ -6,9 +6,12 @@ import importlib.util
 from typing import Any
 
 from lplugins._errors import CompositionError
+from lplugins._validate import did_you_mean
 
 #: Float8 matrix multiplies need Ada (8.9) or Hopper (9.0) and newer.
 MIN_CAPABILITY = (8, 9)
+
+_BACKENDS = ("auto", "transformer-engine", "torchao")
 
 
 class Float8Unavailable(CompositionError):
@@ -36,10 +39,13 @@ def fp8_precision(accelerator: str = "cuda", strategy: Any = None, backend: str 
     Raises:
         Float8Unavailable: no CUDA device, a GPU older than compute capability 8.9, or neither
             transformer-engine nor torchao is installed; the message lists every missing piece.
-        ValueError: an unknown ``backend``.
+        CompositionError: an unknown ``backend`` (also a ``ValueError``).
     """
-    if backend not in ("auto", "transformer-engine", "torchao"):
-        raise ValueError(f"fp8 backend={backend!r} is not one of 'auto', 'transformer-engine', 'torchao'.")
+    if backend not in _BACKENDS:
+        raise CompositionError(
+            f"fp8 backend={backend!r} is not one of 'auto', 'transformer-engine', 'torchao'."
+            + did_you_mean(backend, _BACKENDS)
+        )
     import torch
 
     missing: list[str] = []

@@ -18,7 +18,8 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from lplugins._errors import CompositionError, closest
+from lplugins._errors import CompositionError
+from lplugins._validate import did_you_mean, is_int
 
 __all__ = [
     "AUTO_KEYS",
@@ -186,11 +187,8 @@ def load_config(config: Mapping[str, Any] | str | PathLike[str]) -> dict[str, An
 
 def _unknown(path: str, key: str, known: Iterable[str]) -> DeepSpeedConfigError:
     known = sorted(known)
-    hint = closest(key, known)
     where = f"in {path!r}" if path else "at the top level"
-    msg = f"Unknown DeepSpeed config key {key!r} {where}."
-    if hint:
-        msg += f" Did you mean {hint!r}?"
+    msg = f"Unknown DeepSpeed config key {key!r} {where}." + did_you_mean(key, known)
     msg += f" Known keys: {', '.join(known)}."
     if not path:
         msg += " (DeepSpeed itself would ignore it silently.)"
@@ -310,7 +308,7 @@ def validate_config(config: Mapping[str, Any]) -> None:
         value = config.get(key)
         if value is None or _is_auto(value):
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise DeepSpeedConfigError(
                 f"DeepSpeed config {key!r} is {value!r}; it must be a positive integer or 'auto'."
             )
@@ -439,9 +437,7 @@ def check_against_trainer(config: Mapping[str, Any], facts: TrainerFacts) -> Non
 
 
 def _int_or_none(value: Any, fallback: int | None) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    return fallback
+    return value if is_int(value) else fallback
 
 
 def fill_auto(config: Mapping[str, Any], facts: TrainerFacts) -> tuple[dict[str, Any], list[str]]:

@@ -12,6 +12,10 @@ its CPU accelerator with the gloo backend. This subclass:
   :mod:`lplugins.strategies._ds_config`);
 * takes its process-group timeout from :func:`lplugins.strategies.timeout.resolve_timeout`.
 
+Where Lightning's strategy has no public hook, its private steps are reached through
+:class:`lplugins._lightning.DeepSpeedHooksMixin`, which calls :meth:`DeepSpeedStrategy.initialize_engine`,
+:meth:`DeepSpeedStrategy.initialize_inference_engine` and :meth:`DeepSpeedStrategy.fill_config`.
+
 Importing this module imports Lightning, not DeepSpeed; DeepSpeed is imported when the strategy is
 built.
 """
@@ -31,7 +35,11 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lplugins import _lightning
+from lplugins._errors import LPluginsError
+from lplugins._validate import is_int, positive_int
 from lplugins.strategies._ds_config import (
+    DeepSpeedConfigError,
     TrainerFacts,
     check_against_trainer,
     fill_auto,
@@ -48,10 +56,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lplugins")
 
-__all__ = ["DeepSpeedStrategy"]
+__all__ = ["DeepSpeedEngineNotReady", "DeepSpeedStrategy"]
 
 
-class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
+class DeepSpeedEngineNotReady(LPluginsError, RuntimeError):
+    """The DeepSpeed engine was asked for before ``trainer.fit`` set it up."""
+
+
+class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy``, usable with ``accelerator="cpu"`` (gloo) as well as CUDA.
 
     Every argument of ``lightning.pytorch.strategies.DeepSpeedStrategy`` is accepted. Differences:
@@ -115,19 +127,20 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
 
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()  # gloo: DDPStrategy picks it for a CPU root device
+        _lightning.init_deepspeed_distributed(self)  # gloo: DDPStrategy picks it for a CPU root device
 
     def _device_rank(self) -> int:
         index = self.root_device.index
         return self.local_rank if index is None else int(index)
 
     @override
-    def _setup_model_and_optimizer(
+    def initialize_engine(
         self,
         model: Module,
         optimizer: Optimizer | None,
         lr_scheduler: Any = None,
     ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
+        """``deepspeed.initialize`` for training, with the local rank as device rank on CPU."""
         import deepspeed
 
         model_parameters = filter(lambda p: p.requires_grad, model.parameters())
@@ -143,7 +156,8 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         return engine, ds_optimizer
 
     @override
-    def _initialize_deepspeed_inference(self, model: Module) -> None:
+    def initialize_inference_engine(self, model: Module) -> None:
+        """``deepspeed.initialize`` for validate/test/predict, with the local rank as device rank on CPU."""
         import deepspeed
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
@@ -183,7 +197,8 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
 
     # ------------------------------------------------------------------ config
     @override
-    def _format_batch_size_and_grad_accum_config(self) -> None:
+    def fill_config(self) -> None:
+        """Check the config against the Trainer and fill its ``"auto"`` values (at setup)."""
         assert isinstance(self.config, dict)
         module = self.lightning_module
         if module is None:
@@ -194,7 +209,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             gradient_clip_val=trainer.gradient_clip_val,
             gradient_clip_algorithm=trainer.gradient_clip_algorithm,
             precision=str(self.precision_plugin.precision),
-            micro_batch_size=self._auto_select_batch_size(),
+            micro_batch_size=_lightning.deepspeed_auto_batch_size(self),
             world_size=self.world_size,
         )
         self.config, self.filled_config_notes = fill_auto(self.config, facts)
@@ -224,7 +239,7 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
         check_against_trainer(
             self.config,
             TrainerFacts(
-                accumulate_grad_batches=ga if isinstance(ga, int) and not isinstance(ga, bool) else None,
+                accumulate_grad_batches=ga if is_int(ga) else None,
                 gradient_clip_val=trainer_kwargs.get("gradient_clip_val"),
                 gradient_clip_algorithm=trainer_kwargs.get("gradient_clip_algorithm"),
                 precision=str(precision) if isinstance(precision, (str, int)) else None,
@@ -248,26 +263,27 @@ class DeepSpeedStrategy(_LightningDeepSpeedStrategy):
             steps: The new number of micro-batches per optimizer step (>= 1).
 
         Raises:
-            ValueError: ``steps`` is not a positive int.
-            RuntimeError: the engine does not exist yet (before ``trainer.fit`` has set up).
+            DeepSpeedConfigError: ``steps`` is not a positive int (also a ``ValueError``).
+            DeepSpeedEngineNotReady: the engine does not exist yet, before ``trainer.fit`` has set it up
+                (also a ``RuntimeError``).
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"gradient accumulation steps must be a positive int, got {steps!r}.")
+        positive_int("steps", steps, error=DeepSpeedConfigError, owner="set_gradient_accumulation_steps")
         engine: Any = self.model
         if engine is None or not hasattr(engine, "set_train_batch_size"):
-            raise RuntimeError("The DeepSpeed engine is not set up yet; call this during trainer.fit().")
+            raise DeepSpeedEngineNotReady("The DeepSpeed engine is not set up yet; call this during trainer.fit().")
         micro = engine.train_micro_batch_size_per_gpu()
         engine.set_train_batch_size(micro * steps * self.world_size)
         if isinstance(self.config, dict):
             self.config["gradient_accumulation_steps"] = steps
             self.config["train_batch_size"] = micro * steps * self.world_size
         module = self.lightning_module
-        if module is not None and module._trainer is not None:
-            module.trainer.accumulate_grad_batches = steps
+        trainer = _lightning.attached_trainer(module) if module is not None else None
+        if trainer is not None:
+            trainer.accumulate_grad_batches = steps
 
     def __repr__(self) -> str:
         stage = (self.config or {}).get("zero_optimization", {}).get("stage") if isinstance(self.config, dict) else None
-        return f"lplugins.strategies.DeepSpeedStrategy(stage={stage}, timeout={self._timeout})"
+        return f"lplugins.strategies.DeepSpeedStrategy(stage={stage}, timeout={_lightning.strategy_timeout(self)})"
 
 
 def _use_deepspeed_cpu_accelerator() -> None:
@@ -292,8 +308,6 @@ def config_for_stage(
     Raises:
         DeepSpeedConfigError: the config's stage differs from the strategy name's.
     """
-    from lplugins.strategies._ds_config import DeepSpeedConfigError
-
     loaded = load_config(config)
     validate_config(loaded)
     zero = loaded.get("zero_optimization")

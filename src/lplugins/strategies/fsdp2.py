@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
+from lplugins import _lightning
 from lplugins._errors import LPluginsError
 from lplugins.strategies.timeout import resolve_timeout
 
@@ -82,8 +83,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
 
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards
+        _lightning.shard_over_all_ranks(self)  # Lightning's "auto" shards over nodes only
         super().setup_environment()
 
     def setup(self, trainer: Trainer) -> None:

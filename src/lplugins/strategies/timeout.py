@@ -10,12 +10,12 @@ environment variable (seconds), then :data:`DEFAULT_PG_TIMEOUT` (30 minutes, Lig
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from datetime import timedelta
 
 from lplugins._errors import LPluginsError
+from lplugins._validate import positive_number
 
 #: The environment variable that sets the process-group timeout, in seconds.
 ENV_VAR = "LPLUGINS_PG_TIMEOUT"
@@ -37,7 +37,7 @@ def resolve_timeout(timeout: float | timedelta | None = None) -> timedelta:
         The timeout as a ``timedelta``.
 
     Raises:
-        LPluginsError: the value is not a positive, finite number of seconds.
+        LPluginsError: the value is not a positive, finite number of seconds (the message names it).
 
     Example:
         >>> resolve_timeout(90)
@@ -64,8 +64,7 @@ def resolve_timeout(timeout: float | timedelta | None = None) -> timedelta:
         seconds = float(timeout)
     else:
         raise LPluginsError(f"{source}{timeout!r} is not a timeout; pass seconds (a number) or a datetime.timedelta.")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise LPluginsError(f"{source}{timeout!r} is not a positive, finite number of seconds.")
+    positive_number(source.rstrip("="), timeout if isinstance(timeout, (int, float)) else seconds, unit="seconds")
     return timedelta(seconds=seconds)
 
 

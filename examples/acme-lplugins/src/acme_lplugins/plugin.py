@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lplugins
+from lplugins.hookspecs import Register, RegisterPrecision
 
 
 def _acme_ddp(**kwargs: Any) -> Any:
@@ -28,7 +29,7 @@ def _acme_double() -> Any:
 
 
 @lplugins.hookimpl
-def lplugins_register_strategies(register: Any) -> None:
+def lplugins_register_strategies(register: Register) -> None:
     register(
         "acme_ddp",
         _acme_ddp,
@@ -38,12 +39,12 @@ def lplugins_register_strategies(register: Any) -> None:
 
 
 @lplugins.hookimpl
-def lplugins_register_callbacks(register: Any) -> None:
+def lplugins_register_callbacks(register: Register) -> None:
     register("acme_audit", _acme_audit, description="count steps; one audit line per fit on rank 0")
 
 
 @lplugins.hookimpl
-def lplugins_register_precisions(register: Any) -> None:
+def lplugins_register_precisions(register: RegisterPrecision) -> None:
     register("acme-double", _acme_double, description="float64 everywhere", accelerators=("cpu", "cuda"))
 
 

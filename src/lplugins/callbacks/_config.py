@@ -1,0 +1,111 @@
+"""``CheckpointConfig``: the arguments of :class:`~lplugins.callbacks.DurableCheckpoint`, checked and frozen."""
+
+from __future__ import annotations
+
+import functools
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, overload
+
+from lplugins._validate import did_you_mean, is_int, positive_int, positive_number
+from lplugins.callbacks._errors import CheckpointConfigError
+from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, parse_signal
+from lplugins.callbacks._retention import Retention
+
+__all__ = ["CheckpointConfig", "ConfigField"]
+
+_OWNER = "DurableCheckpoint"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Every argument of :class:`~lplugins.callbacks.DurableCheckpoint` (documented there), checked when built.
+
+    ``preemption_signals`` is kept as signal numbers.
+
+    Raises:
+        CheckpointConfigError: an argument is invalid (a ``ValueError``; the message names it).
+
+    >>> CheckpointConfig(every_n_steps=5, keep_last=None).retention
+    Retention(keep_last=None, keep_top=0, monitor=None, mode='min')
+    """
+
+    every_n_steps: int | None = None
+    every_n_seconds: float | None = None
+    every_n_epochs: int | None = None
+    save_on_train_end: bool = True
+    keep_last: int | None = 3
+    keep_top: int = 0
+    monitor: str | None = None
+    mode: str = "min"
+    async_save: bool = False
+    max_in_flight: int = 1
+    preemption_signals: Sequence[str | int | signal.Signals] = field(default=("SIGTERM", "SIGUSR1"))
+    preemption_exit_code: int | None = PREEMPTED_EXIT_CODE
+    slurm_requeue: bool = False
+    verify: str = "quick"
+    crc32: bool = True
+
+    def __post_init__(self) -> None:
+        an_int = functools.partial(positive_int, error=CheckpointConfigError, owner=_OWNER)
+        an_int("every_n_steps", self.every_n_steps, optional=True)
+        an_int("every_n_epochs", self.every_n_epochs, optional=True)
+        positive_number(
+            "every_n_seconds",
+            self.every_n_seconds,
+            optional=True,
+            unit="seconds",
+            error=CheckpointConfigError,
+            owner=_OWNER,
+        )
+        an_int("keep_last", self.keep_last, optional=True)
+        an_int("keep_top", self.keep_top, minimum=0)
+        if self.keep_top and not self.monitor:
+            raise CheckpointConfigError(f"{_OWNER}: keep_top={self.keep_top} needs monitor=<name of a logged metric>")
+        if self.monitor is not None and (not isinstance(self.monitor, str) or not self.monitor):
+            raise CheckpointConfigError(
+                f"{_OWNER}: monitor must be a metric name (a non-empty string) or None, got {self.monitor!r}"
+            )
+        _one_of("mode", self.mode, ("min", "max"))
+        an_int("max_in_flight", self.max_in_flight)
+        _one_of("verify", self.verify, ("quick", "deep"))
+        if not self.crc32 and self.verify == "deep":
+            raise CheckpointConfigError(
+                f"{_OWNER}: crc32=False writes no checksums, so verify='deep' cannot check them; use verify='quick'"
+            )
+        code = self.preemption_exit_code
+        if code is not None and (not is_int(code) or not 0 <= code <= 255):
+            raise CheckpointConfigError(
+                f"{_OWNER}: preemption_exit_code must be an int in 0..255 or None, got {code!r}"
+            )
+        object.__setattr__(self, "preemption_signals", tuple(parse_signal(s) for s in self.preemption_signals))
+
+    @property
+    def retention(self) -> Retention:
+        """What to keep after each commit."""
+        return Retention(self.keep_last, self.keep_top, self.monitor, self.mode)
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        choices = " or ".join(repr(a) for a in allowed)
+        suffix = did_you_mean(value, allowed) if isinstance(value, str) else ""
+        raise CheckpointConfigError(f"{_OWNER}: {name} must be {choices}, got {value!r}.{suffix}")
+
+
+T = TypeVar("T")
+
+
+class ConfigField(Generic[T]):
+    """A read-only attribute of the callback that reads the field of the same name from its ``config``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> ConfigField[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+    def __get__(self, obj: object | None, owner: type) -> Any:
+        return self if obj is None else getattr(obj.config, self.name)  # type: ignore[attr-defined]

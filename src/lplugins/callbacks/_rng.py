@@ -1,0 +1,57 @@
+"""Capturing and restoring the random number generators (torch CPU, Python, NumPy) a checkpoint resumes with."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+__all__ = ["capture", "restore", "restore_this_rank"]
+
+
+def capture() -> dict[str, Any]:
+    """This process's generator states, as tensors and plain values (``weights_only`` loads them)."""
+    version, state, gauss = random.getstate()
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(state), gauss]}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        out["numpy"] = [
+            kind,
+            torch.from_numpy(np.asarray(keys).astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ]
+    except ImportError:  # pragma: no cover
+        pass
+    return out
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Set the generators to a state :func:`capture` returned."""
+    torch.set_rng_state(state["torch"])
+    version, values, gauss = state["python"]
+    random.setstate((version, tuple(values), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def restore_this_rank(states: list[dict[str, Any]]) -> None:
+    """Restore this rank's entry of every rank's states (rank order); warn and skip when the world size changed."""
+    # Called from ``load_state_dict``, which gets no trainer: the rank comes from torch.distributed itself.
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+    if len(states) != world:
+        rank_zero_warn(
+            f"DurableCheckpoint: the checkpoint holds the RNG states of {len(states)} rank(s) but this run has"
+            f" {world}; the random number generators are not restored."
+        )
+        return
+    restore(states[rank])

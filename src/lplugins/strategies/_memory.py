@@ -1,0 +1,213 @@
+"""The advisor's memory model: what each strategy keeps on a device, per parameter.
+
+The arithmetic is the ZeRO paper's (Rajbhandari et al., 2020): per parameter, a training job holds
+its weights, its gradients and the optimizer state, and each strategy shards a different subset
+of them over the ``N`` processes:
+
+============================  ===================  ===============================================
+strategy                      per device           note
+============================  ===================  ===============================================
+DDP                           W + G + O            everything replicated
+DeepSpeed ZeRO-2              W + (G + O) / N      gradients and optimizer state sharded
+FSDP (FULL_SHARD)             (W + G + O) / N      everything sharded (torch-native)
+DeepSpeed ZeRO-3              (W + G + O) / N      everything sharded (DeepSpeed)
+DeepSpeed ZeRO-3 + offload    ~0                   (W + G + O) x P / nodes in each node's host RAM
+============================  ===================  ===============================================
+
+Bytes per parameter (``W``, ``G``, ``O``) depend on the precision and on who implements it: with
+``"bf16-mixed"`` Lightning's DDP/FSDP keep fp32 weights and gradients (4 + 4) and autocast the
+compute, while DeepSpeed keeps bf16 weights and gradients (2 + 2) and an fp32 master copy in the
+optimizer state (+4). Adam's two moments are 8 bytes. Both add up to 16 bytes per parameter; they
+shard differently. Activations are not modelled: the advisor keeps a ``headroom`` free for them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lplugins._errors import LPluginsError
+from lplugins._validate import did_you_mean, positive_number
+
+__all__ = [
+    "GIB",
+    "OPTIMIZER_STATE_BYTES",
+    "PRECISIONS",
+    "AdvisorError",
+    "Estimate",
+    "bytes_per_parameter",
+    "device_bytes_per_parameter",
+    "gib",
+    "host_memory_bytes",
+    "parse_count",
+]
+
+GIB = 2**30
+
+
+class AdvisorError(LPluginsError, ValueError):
+    """The advisor was given invalid input, or no strategy fits."""
+
+
+#: Optimizer state, in bytes per trainable parameter, with fp32 state.
+OPTIMIZER_STATE_BYTES: Mapping[str, float] = {
+    "adam": 8,
+    "adamw": 8,
+    "lion": 4,
+    "sgd": 4,  # momentum buffer
+    "sgd_nomomentum": 0,
+    "rmsprop": 4,
+    "adagrad": 4,
+    "adam8bit": 2,
+}
+
+#: Lightning precision strings, and how the weights are kept: ``"32"``, ``"64"``, ``"mixed"`` (autocast), ``"half"``.
+PRECISIONS: Mapping[str, str] = {
+    "32-true": "32",
+    "32": "32",
+    "64-true": "64",
+    "16-mixed": "mixed",
+    "bf16-mixed": "mixed",
+    "16": "mixed",
+    "bf16": "mixed",
+    "16-true": "half",
+    "bf16-true": "half",
+}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The memory one strategy needs.
+
+    Attributes:
+        key: ``"ddp"``, ``"zero2"``, ``"fsdp"``, ``"zero3"`` or ``"zero3_offload"``.
+        label: A readable name.
+        strategy: The strategy name to pass to ``lplugins.compose`` (or Lightning, for ``"fsdp"``; on CPU
+            it is lplugins' ``"fsdp2"``).
+        bytes_per_param: (weights, gradients, optimizer state) before sharding.
+        device_bytes_per_param: What each device holds per parameter of the model.
+        device_bytes: Per device, in bytes.
+        host_bytes_per_node: Host memory per node for offloaded state, in bytes.
+        fits: Whether it fits the device (and, for offload, the host) memory.
+        available: Whether the strategy can run here (offload is pointless with ``accelerator="cpu"``).
+        note: Why it does not fit or is not available.
+    """
+
+    key: str
+    label: str
+    strategy: str
+    bytes_per_param: tuple[float, float, float]
+    device_bytes_per_param: float
+    device_bytes: float
+    host_bytes_per_node: float
+    fits: bool
+    available: bool
+    note: str = ""
+
+
+def bytes_per_parameter(precision: str, optimizer: str | float, *, deepspeed: bool) -> tuple[float, float, float]:
+    """Bytes per parameter for (weights, gradients, optimizer state incl. any fp32 master copy).
+
+    Args:
+        precision: A Lightning precision string (``"32-true"``, ``"bf16-mixed"``, ``"16-true"``...).
+        optimizer: An optimizer name from :data:`OPTIMIZER_STATE_BYTES`, or its state bytes per
+            parameter (fp32) as a number.
+        deepspeed: Whether DeepSpeed implements the precision (it keeps half-precision weights and
+            an fp32 master copy) rather than Lightning/torch (fp32 weights under autocast).
+
+    Returns:
+        ``(weights, gradients, optimizer_state)``.
+
+    Raises:
+        AdvisorError: an unknown precision or optimizer.
+
+    Example:
+        >>> bytes_per_parameter("bf16-mixed", "adamw", deepspeed=True)
+        (2, 2, 12)
+        >>> bytes_per_parameter("bf16-mixed", "adamw", deepspeed=False)
+        (4, 4, 8)
+    """
+    kind = PRECISIONS.get(str(precision))
+    if kind is None:
+        raise AdvisorError(f"Unknown precision {precision!r}. Known: {', '.join(PRECISIONS)}.")
+    state = _optimizer_bytes(optimizer)
+    if kind == "64":
+        return (8, 8, state * 2)
+    if kind == "32":
+        return (4, 4, state)
+    if deepspeed:  # DeepSpeed fp16/bf16: half weights and grads, fp32 master weights in the optimizer
+        return (2, 2, 4 + state)
+    if kind == "mixed":  # torch autocast: fp32 weights and grads
+        return (4, 4, state)
+    return (2, 2, state / 2)  # "true" half precision: states in the parameter dtype
+
+
+def _optimizer_bytes(optimizer: str | float) -> float:
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        unit = "state bytes per parameter"
+        return positive_number("optimizer", optimizer, allow_zero=True, error=AdvisorError, unit=unit)
+    key = str(optimizer).lower()
+    if key not in OPTIMIZER_STATE_BYTES:
+        raise AdvisorError(
+            f"Unknown optimizer {optimizer!r}. Known: {', '.join(OPTIMIZER_STATE_BYTES)}."
+            + did_you_mean(key, OPTIMIZER_STATE_BYTES)
+            + " Or pass its state size in bytes per parameter as a number."
+        )
+    return OPTIMIZER_STATE_BYTES[key]
+
+
+def device_bytes_per_parameter(key: str, weights: float, grads: float, state: float, world_size: int) -> float:
+    """What each device holds per parameter of the model under strategy ``key`` (see the table above).
+
+    Example:
+        >>> device_bytes_per_parameter("zero2", 2, 2, 12, world_size=8)
+        3.75
+    """
+    if key == "ddp":
+        return weights + grads + state
+    if key == "zero2":
+        return weights + (grads + state) / world_size
+    if key in ("fsdp", "zero3"):
+        return (weights + grads + state) / world_size
+    return 0.0  # offloaded to host memory
+
+
+def parse_count(value: str | float) -> int:
+    """Parse a parameter count: ``7e9``, ``"7B"``, ``"1.3b"``, ``"350M"``, ``"125k"``, ``"7_000_000"``.
+
+    Raises:
+        AdvisorError: not a positive count.
+
+    Example:
+        >>> parse_count("7B"), parse_count("350M"), parse_count(1.3e9)
+        (7000000000, 350000000, 1300000000)
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9][0-9_]*\.?[0-9_]*(?:e[0-9]+)?)\s*([kmbt]?)\s*", str(value), re.IGNORECASE)
+        if not match:
+            raise AdvisorError(f"Cannot read {value!r} as a parameter count; write e.g. 7e9, 7B, 1.3B, 350M.")
+        scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
+        number = float(match.group(1).replace("_", "")) * scale
+    if not math.isfinite(number) or number < 1:
+        raise AdvisorError(f"A parameter count must be a positive number, got {value!r}.")
+    return round(number)
+
+
+def host_memory_bytes() -> float:
+    """This machine's physical memory, in bytes."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        import psutil
+
+        return float(psutil.virtual_memory().total)
+
+
+def gib(n: float) -> str:
+    """``n`` bytes in GiB, for messages: ``"1.5 GiB"``."""
+    return f"{n / GIB:,.1f} GiB"
