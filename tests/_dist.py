@@ -52,6 +52,8 @@ def run_script(
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "LOCAL_RANK", "NODE_RANK"))}
     full_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"})
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    # the scripts import the shared test models (tests/models.py) as ``tests.models``
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     if env:
         full_env.update(env)
     proc = subprocess.Popen(

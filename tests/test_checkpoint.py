@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lplugins.callbacks import (
     CheckpointDirectoryError,
@@ -22,43 +21,23 @@ from lplugins.callbacks import (
 )
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record
 from lplugins.callbacks._storage import open_storage
+from tests.models import Regression, regression_loader
 
 STEPS_PER_EPOCH = 4
 
 
-class TinyModel(LightningModule):
+def tiny_model() -> Regression:
     """Linear model with dropout (so the RNG matters) and an LR scheduler (so its state matters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-        self.drop = nn.Dropout(0.5)
-        self.losses: list[float] = []
-        self.steps_run = 0
-        self.resumed_from: str | None = None
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = ((self.layer(self.drop(x)) - y) ** 2).mean()
-        self.losses.append(loss.item())
-        self.steps_run += 1
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.Adam(self.parameters(), lr=0.05)
-        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+    return Regression(dropout=0.5, lr=0.05, step_lr=3)
 
 
 def loader() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4 * STEPS_PER_EPOCH, 4, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    return regression_loader(4 * STEPS_PER_EPOCH, batch_size=4, shuffle=True)
 
 
-def fit(cb: Callback, *, ckpt_path: str | None = None, extra: list[Callback] | None = None, **kw: Any) -> TinyModel:
+def fit(cb: Callback, *, ckpt_path: str | None = None, extra: list[Callback] | None = None, **kw: Any) -> Regression:
     seed_everything(7, verbose=False)
-    model = TinyModel()
+    model = tiny_model()
     trainer = Trainer(
         accelerator="cpu", callbacks=[cb, *(extra or [])], logger=False, enable_progress_bar=False,
         enable_model_summary=False, **kw,
@@ -104,7 +83,7 @@ def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], argument: s
 def test_unwritable_directory_fails_at_setup_before_training(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    model = TinyModel()
+    model = tiny_model()
     trainer = Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
         callbacks=[DurableCheckpoint(blocker / "ckpts", every_n_steps=1)],
@@ -229,7 +208,7 @@ def test_pickled_code_payload_is_refused_and_never_run(tmp_path: Path, monkeypat
     storage.commit(rec)
     assert latest_checkpoint(ckdir) == str(ckdir / rec.name)  # structurally fine: it is picked ...
 
-    model = TinyModel()
+    model = tiny_model()
     trainer = Trainer(
         accelerator="cpu", max_steps=12, logger=False, enable_progress_bar=False,
         callbacks=[DurableCheckpoint(ckdir, every_n_steps=1)],

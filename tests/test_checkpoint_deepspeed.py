@@ -15,23 +15,10 @@ SCRIPT = r"""
 import json, os
 import torch
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, TensorDataset
 import lplugins
 from lplugins.callbacks import DurableCheckpoint, latest_checkpoint
 from lplugins.callbacks._storage import open_storage
-
-
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
+from tests.models import Regression, regression_loader
 
 
 class Start(pl.Callback):
@@ -39,9 +26,7 @@ class Start(pl.Callback):
         self.step = trainer.global_step
 
 
-g = torch.Generator().manual_seed(0)
-x = torch.randn(64, 8, generator=g)
-data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+data = regression_loader(64, features=8, batch_size=8)
 
 
 def fit(max_steps, ckpt_path=None):
@@ -50,7 +35,7 @@ def fit(max_steps, ckpt_path=None):
                               callbacks=[cb, start], logger=False, enable_progress_bar=False,
                               enable_model_summary=False)
     trainer = pl.Trainer(**kwargs)
-    trainer.fit(Model(), data, ckpt_path=ckpt_path)
+    trainer.fit(Regression(8, (16,), lr=1e-2), data, ckpt_path=ckpt_path)
     return trainer, cb, start
 
 

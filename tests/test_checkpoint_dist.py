@@ -16,10 +16,9 @@ pytestmark = pytest.mark.distributed
 COMMON = r"""
 import json, os, sys, signal
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from lplugins.callbacks import DurableCheckpoint, latest_checkpoint, request_checkpoint
+from tests.models import Regression, regression_loader
 
 RANK_LOG = []
 def audit(event, args):
@@ -27,21 +26,17 @@ def audit(event, args):
         RANK_LOG.append(os.path.basename(str(args[1])))
 sys.addaudithook(audit)
 
-class M(pl.LightningModule):
+class M(Regression):
     def __init__(self):
-        super().__init__(); self.layer = nn.Linear(4, 1)
+        super().__init__(optimizer="sgd", lr=0.1)
     def training_step(self, batch, batch_idx):
-        x, y = batch
         # the seed guide's example, rewritten: safe inside a rank-zero guard
         if batch_idx % 3 == 0 and self.trainer.is_global_zero:
             request_checkpoint(self.trainer)
-        return ((self.layer(x) - y) ** 2).mean()
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return super().training_step(batch, batch_idx)
 
 def loader():
-    g = torch.Generator().manual_seed(0); x = torch.randn(64, 4, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    return regression_loader(64, batch_size=4)
 
 def trainer(cb, **kw):
     return pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[cb], logger=False,
@@ -185,30 +180,17 @@ def test_ddp_resumed_losses_equal_uninterrupted_on_every_rank(tmp_path: Path) ->
     source = r"""
 import json, os
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from lplugins.callbacks import DurableCheckpoint
-
-class M(pl.LightningModule):
-    def __init__(self):
-        super().__init__(); self.layer = nn.Linear(4, 1); self.drop = nn.Dropout(0.5); self.losses = []
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = ((self.layer(self.drop(x)) - y) ** 2).mean()  # dropout: each rank's RNG matters
-        self.losses.append(loss.item())
-        return loss
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.05)
+from tests.models import Regression, regression_loader
 
 def fit(d, epochs, ckpt_path=None):
     pl.seed_everything(3, verbose=False)
-    g = torch.Generator().manual_seed(0); x = torch.randn(32, 4, generator=g)
-    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    data = regression_loader(32, batch_size=4, shuffle=True)
     t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs, logger=False,
                    enable_progress_bar=False, enable_model_summary=False,
                    callbacks=[DurableCheckpoint(d, every_n_epochs=1)])
-    m = M(); t.fit(m, data, ckpt_path=ckpt_path)
+    m = Regression(dropout=0.5, lr=0.05); t.fit(m, data, ckpt_path=ckpt_path)  # dropout: each rank's RNG matters
     return t, m.losses
 
 t, full = fit("full", 3)

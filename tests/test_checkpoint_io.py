@@ -184,7 +184,7 @@ class NudgeWeights(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         with torch.no_grad():
-            pl_module.layer.weight.mul_(0.999)  # type: ignore[union-attr]
+            pl_module.net[-1].weight.mul_(0.999)  # type: ignore[index, union-attr]
 
 
 def test_in_place_change_outside_the_optimizer_drops_the_torn_snapshot_and_goes_eager(

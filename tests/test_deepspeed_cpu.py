@@ -18,26 +18,9 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 import deepspeed
 import lplugins
+from tests.models import Regression
 
 NAME, OUT = sys.argv[1], sys.argv[2]
-
-
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
 def full_params(module):
@@ -80,7 +63,7 @@ def trainer(max_steps, probe):
 
 
 torch.manual_seed(1)
-model = Model()
+model = Regression(8, (32,), lr=1e-2)
 num_params = sum(p.numel() for p in model.parameters())
 first = Probe()
 t1 = trainer(8, first)
@@ -92,7 +75,7 @@ val_after_fit = float(t1.callback_metrics["val_loss"])
 torch.manual_seed(2)  # a differently initialised model: resume must overwrite it
 second = Probe()
 t2 = trainer(12, second)
-resumed = Model()
+resumed = Regression(8, (32,), lr=1e-2)
 t2.fit(resumed, train, val, ckpt_path=ckpt)
 metrics = t2.validate(resumed, val, verbose=False)  # standalone validation: DeepSpeed's inference engine
 
@@ -159,22 +142,13 @@ import torch
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 import lplugins
+from tests.models import Regression
 
 OUT = sys.argv[1]
 
 
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+def sgd_model():
+    return Regression(seed=0, optimizer="sgd", lr=0.1)
 
 
 class SetSteps(pl.Callback):
@@ -186,14 +160,14 @@ class SetSteps(pl.Callback):
 # on that sample's loss
 x = torch.randn(1, 4, generator=torch.Generator().manual_seed(0)).repeat(64, 1)
 y = torch.full((64, 1), 3.0)
-reference = Model()
-loss = torch.nn.functional.mse_loss(reference.layer(x[:1]), y[:1])
+reference = sgd_model()
+loss = torch.nn.functional.mse_loss(reference(x[:1]), y[:1])
 loss.backward()
 expected = [(p - 0.1 * p.grad).detach().flatten().tolist() for p in reference.parameters()]
 
 results = {}
 for label, accumulate, callbacks in (("trainer_k2", 2, []), ("engine_k4", 1, [SetSteps()])):
-    model = Model()
+    model = sgd_model()
     trainer = pl.Trainer(**lplugins.compose(
         strategy="deepspeed_stage_2_cpu", accelerator="cpu", devices=2, max_steps=1, logger=False,
         accumulate_grad_batches=accumulate, callbacks=callbacks, enable_checkpointing=False,

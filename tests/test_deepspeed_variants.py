@@ -19,23 +19,12 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, TensorDataset
 import deepspeed
 import lplugins
+from tests.models import Regression
 
 OUT, SEED = sys.argv[1], sys.argv[2]
 g = torch.Generator().manual_seed(0)
 x = torch.randn(64, 8, generator=g)
 y = x.sum(1, keepdim=True)
-
-
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.mse_loss(self.net(batch[0]).float(), batch[1].float())
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=2e-2)
 
 
 def full_loss(module):
@@ -69,7 +58,7 @@ for strategy, extra in runs:
     trainer = pl.Trainer(**lplugins.compose(
         strategy=strategy, accelerator="cpu", devices=2, max_steps=6, callbacks=[probe], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **extra))
-    trainer.fit(Model(), DataLoader(TensorDataset(x, y), batch_size=4))
+    trainer.fit(Regression(8, (16,), lr=2e-2), DataLoader(TensorDataset(x, y), batch_size=4))
     cfg = trainer.strategy.config
     engine = trainer.strategy.deepspeed_engine
     key = strategy if isinstance(strategy, str) else "seed_json"

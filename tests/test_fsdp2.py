@@ -15,23 +15,13 @@ from tests._dist import run_script
 COMMON = r"""
 import json, sys, torch, lightning.pytorch as pl
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 import lplugins
 from lplugins.callbacks import DurableCheckpoint
+from tests.models import Regression, regression_loader
 
-class MLP(pl.LightningModule):
+class MLP(Regression):
     def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.losses = []
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = ((self.body(x) - y) ** 2).mean()
-        self.losses.append(loss.item())
-        return loss
-    def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=0.01)
-        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+        super().__init__(8, (32, 32), activation="relu", lr=0.01, step_lr=3)
 
 class Mixed(pl.LightningModule):
     # parameters outside any container: a direct child layer, and one the module holds itself
@@ -52,9 +42,7 @@ class Mixed(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 def data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    return regression_loader(64, features=8, batch_size=8)
 
 def fit(strategy, callbacks=(), ckpt_path=None, model_class=None, **kw):
     pl.seed_everything(0, verbose=False)

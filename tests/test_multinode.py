@@ -34,9 +34,9 @@ NODE = r"""
 import json, os, sys
 import torch
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, TensorDataset
 import lplugins
 from lplugins.strategies.environments import VariablesEnvironment
+from tests.models import Regression, regression_loader
 
 OUT, MODE, NODE = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -56,20 +56,6 @@ class AcmePlugin:
         )
 
 
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 manager = lplugins.load(autoload=False)
 kwargs = dict(accelerator="cpu", devices=1, num_nodes=2, max_steps=3, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False)
@@ -80,10 +66,8 @@ else:
     # node 0 names the environment; node 1 relies on the plugin's detect()
     kwargs = lplugins.compose(strategy="ddp_timeout", plugins=["acme"] if NODE == 0 else [], **kwargs)
 trainer = pl.Trainer(**kwargs)
-g = torch.Generator().manual_seed(NODE)  # each node sees different data
-x = torch.randn(32, 4, generator=g)
-model = Model()
-trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
+model = Regression(seed=0, optimizer="sgd", lr=0.1)
+trainer.fit(model, regression_loader(32, batch_size=4, seed=NODE))  # each node sees different data
 
 import torch.distributed as dist
 rank_sum = torch.tensor([float(trainer.global_rank)])
