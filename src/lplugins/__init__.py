@@ -8,7 +8,7 @@ callbacks to a Trainer you already have.
 
 from __future__ import annotations
 
-from lplugins import _exit
+from lplugins import _exit, _log
 from lplugins._compose import attach, compose
 from lplugins._errors import CompositionError, LPluginsError, PluginError, UnknownNameError
 from lplugins._manager import PluginInfo, PluginManager, PluginWarning, get_manager, load
@@ -18,6 +18,7 @@ from lplugins.hookspecs import hookimpl
 __version__ = "0.1.0"
 
 _exit.install()  # a gloo process group left initialized must not abort the process at exit
+_log.configure()  # lplugins' decisions reach the terminal as Lightning's own messages do
 
 __all__ = [
     "Component",
