@@ -61,3 +61,31 @@ def test_deepspeed_directory_checkpoints_commit_and_resume(tmp_path: Path) -> No
         names = [name for name, *_ in res["records"]]
         assert res["entries"] == sorted(names + [n + ".commit" for n in names])  # nothing else left behind
         assert res["latest"].endswith(names[-1])
+
+
+ACCUMULATION_SCRIPT = r"""
+import json
+import lightning.pytorch as pl
+import lplugins
+from lplugins.callbacks import DurableCheckpoint
+from lplugins.callbacks._storage import open_storage
+from tests.models import Regression, regression_loader
+
+cb = DurableCheckpoint("ckpts", every_n_steps=2, keep_last=None, save_on_train_end=False)
+kwargs = lplugins.compose(strategy="deepspeed_stage_2_cpu", accelerator="cpu", devices=2, max_steps=4,
+                          accumulate_grad_batches=2, callbacks=[cb], logger=False, enable_progress_bar=False,
+                          enable_model_summary=False)
+trainer = pl.Trainer(**kwargs)
+trainer.fit(Regression(8, (16,), lr=1e-2), regression_loader(64, features=8, batch_size=4))
+with open(f"rank{trainer.global_rank}.json", "w") as f:
+    json.dump([(r.global_step, r.epoch, r.kind) for r in open_storage("ckpts").find_committed()], f)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_deepspeed_with_accumulation_never_saves_a_step_0_directory(tmp_path: Path) -> None:
+    run_script(ACCUMULATION_SCRIPT, tmp_path, timeout=280).check()
+    for rank in (0, 1):
+        # 8 micro-batches per rank, 2 per step: steps 1..4; saves at 2 and 4, none mid-window at step 0
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [[2, 0, "dir"], [4, 0, "dir"]]

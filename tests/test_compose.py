@@ -302,12 +302,49 @@ def test_int_accumulation_with_a_scheduler_callback_is_refused(lplugins_manager:
 
 
 def test_old_precision_spellings_are_checked_like_the_new_ones(lplugins_manager: PluginManager) -> None:
-    assert lplugins.compose(strategy="fsdp", precision="bf16")["precision"] == "bf16"
+    assert lplugins.compose(strategy="fsdp", accelerator="cuda", precision="bf16")["precision"] == "bf16"
     with pytest.raises(CompositionError, match="'64' cannot be used with strategy 'fsdp'"):
-        lplugins.compose(strategy="fsdp", precision="64")
+        lplugins.compose(strategy="fsdp", accelerator="cuda", precision="64")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_auto_precision_for_a_gpu_that_is_not_there(lplugins_manager: PluginManager) -> None:
     with pytest.raises(CompositionError, match="no CUDA device is available here"):
         lplugins.compose(accelerator="gpu", precision="auto")
+
+
+def test_auto_precision_is_announced_on_rank_zero_only(
+    lplugins_manager: PluginManager, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "1")  # as torchrun sets it on the second process
+    with caplog.at_level(logging.INFO, logger="lplugins"):
+        assert lplugins.compose(accelerator="cpu", precision="auto")["precision"] == "32-true"
+    assert not [r for r in caplog.records if "auto" in r.getMessage()]
+
+
+def test_attach_checkpoint_replaces_lightnings_default_model_checkpoint(
+    lplugins_manager: PluginManager, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = Trainer(**QUIET, max_steps=2)  # enable_checkpointing=True: Lightning adds a ModelCheckpoint()
+    default = trainer.checkpoint_callback
+    assert isinstance(default, ModelCheckpoint)
+    with caplog.at_level(logging.INFO, logger="lplugins"):
+        [durable] = lplugins.attach(trainer, {"name": "durable_checkpoint", "dirpath": str(tmp_path / "c")})
+    assert default not in trainer.callbacks and trainer.checkpoint_callbacks == [durable]
+    [line] = [r.getMessage() for r in caplog.records if "default ModelCheckpoint" in r.getMessage()]
+    assert "attach() removed Lightning's default ModelCheckpoint" in line and "DurableCheckpoint writes" in line
+    trainer.fit(BoringModel())
+    written = list(tmp_path.rglob("*.ckpt"))
+    assert written and all(p.parent == tmp_path / "c" for p in written)  # one system writes, in one place
+
+
+def test_attach_keeps_a_configured_model_checkpoint(lplugins_manager: PluginManager, tmp_path: Path) -> None:
+    configured = ModelCheckpoint(dirpath=tmp_path / "mine", save_top_k=2, monitor="train_loss")
+    trainer = Trainer(**QUIET, callbacks=[configured])
+    lplugins.attach(trainer, {"name": "durable_checkpoint", "dirpath": str(tmp_path / "c")})
+    assert configured in trainer.callbacks and len(trainer.checkpoint_callbacks) == 2
+    # a default one that has already been used (state changed) is not "untouched" either
+    used = Trainer(**QUIET, max_steps=1)
+    used.fit(BoringModel())
+    lplugins.attach(used, LearningRateMonitor())  # not a checkpoint callback: nothing removed
+    assert isinstance(used.checkpoint_callback, ModelCheckpoint)

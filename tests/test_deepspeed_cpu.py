@@ -188,7 +188,8 @@ torch.distributed.barrier()
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_accumulation_divides_the_loss_once(tmp_path: Path) -> None:
-    # Lightning's DeepSpeed integration divides by k twice (Lightning, then engine.backward): 1/k**2
+    # Lightning's DeepSpeed integration divides by k twice (Lightning, then engine.backward): each micro-batch
+    # adds 1/k**2 of its gradient, a window 1/k of the right one
     run_script(ACCUMULATION_SCRIPT, tmp_path, timeout=280, args=[str(tmp_path)]).check()
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -59,3 +59,21 @@ def test_demo_resume_without_checkpoint_is_a_clear_error(tmp_path: Path) -> None
     result = _demo(tmp_path / "empty", "--resume", "--devices", "1")
     assert result.returncode != 0
     assert "--resume given but no valid checkpoint" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--devices", "0"), "lplugins: error: demo: --devices 0 is not allowed; it must be an int >= 1."),
+        (("--epochs", "0"), "lplugins: error: demo: --epochs 0 is not allowed; it must be an int >= 1."),
+        (("--max-steps", "0"), "lplugins: error: demo: --max-steps 0 is not allowed; it must be -1 (no limit)"),
+        (("--strategy", "dpp"), "lplugins: error: Unknown strategy 'dpp'."),
+        (("--schedule", "0"), "lplugins: error: accumulate_grad_batches=0 is not allowed"),
+    ],
+)
+def test_bad_demo_flags_are_one_line_errors(tmp_path: Path, flags: tuple[str, ...], message: str) -> None:
+    result = _demo(tmp_path / "out", *flags)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

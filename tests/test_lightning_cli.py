@@ -96,3 +96,34 @@ def test_conflicting_trainer_and_lplugins_values(tmp_path: Path) -> None:
     config.write_text("trainer:\n  precision: bf16-mixed\n  logger: false\nlplugins:\n  precision: 32-true\n")
     with pytest.raises(CompositionError, match=r"Both trainer.precision='bf16-mixed' and lplugins.precision='32-true'"):
         LightningCLI(BoringModel, run=False, args=["--config", str(config)])
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (
+            "lplugins:\n  callbacks:\n    - {name: durable_checkpoint, every_n_step: 2}\n",
+            r"DurableCheckpoint has no parameter 'every_n_step'. Did you mean 'every_n_steps'\?",
+        ),
+        (
+            "lplugins:\n  strategy: {name: ddp_timeout, find_unused_params: true}\n",
+            r"no parameter 'find_unused_params'. Did you mean 'find_unused_parameters'\?",
+        ),
+        ("lplugins:\n  accumulate_grad_batches: {name: ramp, start: 4}\n", r"missing required parameter\(s\) 'target'"),
+        ("trainer:\n  strategy: deepspeed_stage_2\n", r"Use strategy='deepspeed_stage_2_cpu'"),
+        ("lplugins:\n  precision: fp16\n", r"Did you mean '16-mixed'\?"),
+    ],
+)
+def test_cli_config_is_checked_before_the_trainer_is_built(tmp_path: Path, section: str, message: str) -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lplugins import CompositionError, UnknownNameError
+    from lplugins.lightning_cli import LightningCLI
+
+    config = tmp_path / "c.yaml"
+    base = "trainer:\n  accelerator: cpu\n  logger: false\n"
+    if section.startswith("trainer:"):
+        base, section = base + section.split("\n", 1)[1], ""
+    config.write_text(base + section)
+    with pytest.raises((CompositionError, UnknownNameError), match=message):
+        LightningCLI(BoringModel, run=False, args=["--config", str(config)])

@@ -188,12 +188,12 @@ def _sources() -> Iterator[Path]:
 
 
 def _declared_patterns() -> list[tuple[str, re.Pattern[str]]]:
-    """For each declared name: as an attribute (``._name``), as a string (``"_name"``), defined
-    (``def _name``, an override) or imported."""
+    """For each declared name: as an attribute (``._name``), as a string (``"_name"``) or imported.
+    (Defined as a method, an override, is found by :func:`_methods_named`.)"""
     patterns = []
     for name in sorted({p.name for p in PRIVATES}):
         n = re.escape(name)
-        regex = rf"\.{n}\b|[\"']{n}[\"']|\bdef\s+{n}\b|\bimport\b[^\n]*\b{n}\b"
+        regex = rf"\.{n}\b|[\"']{n}[\"']|\bimport\b[^\n]*\b{n}\b"
         patterns.append((f"declared private {name!r}", re.compile(regex)))
     return patterns
 
@@ -266,9 +266,24 @@ def _private_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
                     yield node.lineno, f"import {alias.name}"
 
 
-def find_private_uses(path: Path, declared: list[tuple[str, re.Pattern[str]]] = []) -> list[str]:  # noqa: B006
+def _methods_named(tree: ast.AST, names: frozenset[str]) -> Iterator[tuple[int, str]]:
+    """Methods (functions in a class body) named like a declared private: overrides. A module-level
+    function of the same name overrides nothing and is left alone."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in names:
+                    yield item.lineno, f"{node.name}.{item.name}"
+
+
+def find_private_uses(
+    path: Path,
+    declared: list[tuple[str, re.Pattern[str]]] = [],  # noqa: B006
+    methods: frozenset[str] = frozenset(),
+) -> list[str]:
     """Every place in ``path`` that names a private Lightning attribute, as ``file:line: what: text``:
-    the ``declared`` patterns, the generic ones, and private Lightning imports."""
+    the ``declared`` patterns, methods named as in ``methods``, the generic patterns, and private
+    Lightning imports."""
     text = path.read_text()
     tree = ast.parse(text, str(path))
     rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
@@ -280,12 +295,14 @@ def find_private_uses(path: Path, declared: list[tuple[str, re.Pattern[str]]] = 
             hits.append(f"{rel}:{line}: {what}: {match.group(0)!r}")
     for line, statement in _private_imports(tree):
         hits.append(f"{rel}:{line}: private Lightning import: {statement!r}")
+    for line, method in _methods_named(tree, methods):
+        hits.append(f"{rel}:{line}: method overriding a declared private: {method!r}")
     return sorted(set(hits), key=lambda h: (h.split(":")[0], int(h.split(":")[1])))
 
 
 def _all_hits() -> list[str]:
-    declared = _declared_patterns()
-    return [hit for path in _sources() for hit in find_private_uses(path, declared)]
+    declared, methods = _declared_patterns(), frozenset(p.name for p in PRIVATES)
+    return [hit for path in _sources() for hit in find_private_uses(path, declared, methods)]
 
 
 def test_no_private_lightning_name_outside_the_internals_module() -> None:
@@ -342,11 +359,13 @@ def test_the_grep_finds_what_it_should(tmp_path: Path) -> None:
 
 def test_every_declared_name_is_caught_by_the_grep(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
-    patterns = _declared_patterns()
+    patterns, methods = _declared_patterns(), frozenset(p.name for p in PRIVATES)
     for entry in PRIVATES:
-        for code in (f"x.{entry.name}", f"getattr(x, {entry.name!r})", f"def {entry.name}(self): ..."):
+        for code in (f"x.{entry.name}", f"getattr(x, {entry.name!r})", f"class C:\n    def {entry.name}(self): ..."):
             sample.write_text(code + "\n")
-            assert find_private_uses(sample, patterns), f"not caught: {code}"
+            assert find_private_uses(sample, patterns, methods), f"not caught: {code}"
+        sample.write_text(f"def {entry.name}(trainer): ...\n")  # a module-level helper overrides nothing
+        assert not find_private_uses(sample, patterns, methods), f"false positive: def {entry.name}"
 
 
 def _lplugins_classes() -> Iterator[type]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from typing import Any
@@ -11,7 +12,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lplugins
 from lplugins import LPluginsError, PluginError, PluginManager, PluginWarning
-from lplugins._manager import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS
+from lplugins._errors import BlockedNameError
+from lplugins._manager import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, set_manager
 
 
 def _plugin(**hooks: Any) -> types.SimpleNamespace:
@@ -370,3 +372,76 @@ def test_the_kinds_table_in_the_docs_matches_hookspecs() -> None:
 
     expected = [f"| `{k.name}` | `{k.hook}` | {cell(k.keywords)} | {cell(k.injected)} |" for k in hookspecs.KINDS]
     assert rows == expected
+
+
+def test_a_blocked_name_says_blocked_and_by_what(monkeypatch: pytest.MonkeyPatch, manager: PluginManager) -> None:
+    monkeypatch.setenv("LPLUGINS_DISABLE", "strategies,checkpoint")
+    manager.load(autoload=False)
+    previous = set_manager(manager)
+    try:
+        with pytest.raises(BlockedNameError) as info:
+            lplugins.compose(strategy="deepspeed_stage_2_cpu", accelerator="cpu")
+        assert str(info.value) == (
+            "Strategy 'deepspeed_stage_2_cpu' is provided by plugin 'strategies', which is blocked by "
+            "LPLUGINS_DISABLE=strategies,checkpoint. Unblock the plugin to use it, or choose another strategy."
+        )
+        assert "Did you mean" not in str(info.value)
+        assert isinstance(info.value, lplugins.UnknownNameError)  # callers catching the old error still do
+        with pytest.raises(BlockedNameError, match="'durable_checkpoint' is provided by plugin 'checkpoint'"):
+            lplugins.compose(callbacks=["durable_checkpoint"])
+        with pytest.raises(lplugins.UnknownNameError, match="Did you mean 'lr_monitor'"):  # unknown stays unknown
+            manager.get("callback", "lr_monitr")
+    finally:
+        set_manager(previous)
+
+
+def test_a_name_blocked_in_code_names_the_argument(manager: PluginManager) -> None:
+    manager.load(autoload=False, disable=["accumulation"])
+    with pytest.raises(BlockedNameError, match=r"blocked by disable=\['accumulation'\]"):
+        manager.get("schedule", "ramp")
+
+
+def test_loaded_plugins_are_announced_once(caplog: pytest.LogCaptureFixture) -> None:
+    previous = set_manager(None)
+    try:
+        with caplog.at_level(logging.INFO, logger="lplugins"):
+            loaded = lplugins.load(autoload=False, disable=["checkpoint"])
+            assert lplugins.load() is loaded  # a second call loads nothing and says nothing
+        lines = [r.getMessage() for r in caplog.records if r.name == "lplugins"]
+        assert lines == [
+            "lplugins: loaded 5 plugins: core, strategies, precision, accumulation, logging (blocked: checkpoint)"
+        ]
+        loaded.close()
+    finally:
+        set_manager(previous)
+
+
+def test_strict_mode_error_says_how_to_go_on(fake_entry_points: Any) -> None:
+    fake_entry_points({"broken": "no_such_module_xyz:plugin"}, distribution="broken-dist", version="3.1")
+    previous = set_manager(None)
+    try:
+        for _ in range(2):  # strict mode raises at every load until something is done about it
+            with pytest.raises(PluginError) as info:
+                lplugins.load(disable=[])
+            message = str(info.value)
+            assert "No module named 'no_such_module_xyz'" in message
+            assert "block it with LPLUGINS_DISABLE=broken" in message
+            assert "set LPLUGINS_STRICT=0 to skip failing plugins with a warning" in message
+            assert "pip uninstall broken-dist" in message
+        lplugins.load(disable=["broken"]).close()  # what the message says works
+    finally:
+        set_manager(previous)
+
+
+def test_strict_zero_code_trainer_error_says_how_to_go_on(
+    lplugins_manager: PluginManager, lplugins_register: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lplugins._factory import callbacks_factory
+
+    def lplugins_trainer_callbacks(trainer_kwargs: Any) -> None:
+        raise RuntimeError("cannot reach audit server")
+
+    lplugins_register(_plugin(lplugins_trainer_callbacks=lplugins_trainer_callbacks), "audit", distribution="audit-d")
+    monkeypatch.setenv("LPLUGINS_AUTO_CALLBACKS", "1")
+    with pytest.raises(PluginError, match=r"block it with LPLUGINS_DISABLE=audit.*LPLUGINS_STRICT=0"):
+        callbacks_factory()

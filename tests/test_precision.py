@@ -57,7 +57,8 @@ def test_incompatible_strategy_and_lightning_precision(
 
 
 def test_compatible_pair_passes_through(lplugins_manager: PluginManager) -> None:
-    assert lplugins.compose(strategy="deepspeed_stage_2", precision="bf16-mixed")["precision"] == "bf16-mixed"
+    kwargs = lplugins.compose(strategy="deepspeed_stage_2", accelerator="cuda", precision="bf16-mixed")
+    assert kwargs["precision"] == "bf16-mixed"
 
 
 class Overflow(BoringModel):
@@ -71,7 +72,7 @@ class Overflow(BoringModel):
 
 
 def test_fp16_contributes_the_monitor(lplugins_manager: PluginManager) -> None:
-    kwargs = lplugins.compose(precision="16-mixed")
+    kwargs = lplugins.compose(accelerator="cuda", precision="16-mixed")  # fp16 AMP is refused on CPU
     assert [type(cb) for cb in kwargs["callbacks"]] == [LossScaleMonitor]  # through the built-in plugin's hook
 
 
@@ -106,5 +107,5 @@ def test_fp16_logs_loss_scale_and_skipped_steps(lplugins_manager: PluginManager,
 
 def test_no_monitor_without_fp16_and_no_duplicate(lplugins_manager: PluginManager) -> None:
     assert "callbacks" not in lplugins.compose(precision="bf16-mixed")
-    kwargs = lplugins.compose(precision="16-mixed", callbacks=["loss_scale_monitor"])
+    kwargs = lplugins.compose(accelerator="cuda", precision="16-mixed", callbacks=["loss_scale_monitor"])
     assert [type(cb) for cb in kwargs["callbacks"]] == [LossScaleMonitor]

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from lplugins import _exit, _log
 from lplugins._compose import attach, compose
-from lplugins._errors import CompositionError, LPluginsError, PluginError, UnknownNameError
+from lplugins._errors import (
+    BlockedNameError,
+    CompositionError,
+    LPluginsError,
+    ParameterError,
+    PluginError,
+    UnknownNameError,
+)
 from lplugins._manager import PluginInfo, PluginManager, PluginWarning, get_manager, load
 from lplugins._registry import Component
 from lplugins.hookspecs import hookimpl
@@ -21,9 +28,11 @@ _exit.install()  # a gloo process group left initialized must not abort the proc
 _log.configure()  # lplugins' decisions reach the terminal as Lightning's own messages do
 
 __all__ = [
+    "BlockedNameError",
     "Component",
     "CompositionError",
     "LPluginsError",
+    "ParameterError",
     "PluginError",
     "PluginInfo",
     "PluginManager",

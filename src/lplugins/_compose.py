@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from lplugins import _lightning
-from lplugins._errors import CompositionError, UnknownNameError
+from lplugins import _lightning, _pairs
+from lplugins._errors import CompositionError
+from lplugins._log import announce
 from lplugins._manager import PluginManager, get_manager
+from lplugins._registry import Component
 from lplugins._validate import did_you_mean, is_int
 from lplugins.precision._auto import LIGHTNING_PRECISIONS, choose_precision, probe_capabilities, resolve_accelerator
 
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, Trainer
-
-log = logging.getLogger("lplugins")
 
 
 def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
@@ -32,18 +31,24 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
         manager: The plugin manager (default: the process-wide one, loaded on first use).
         cpu_bf16: Let ``precision="auto"`` pick bf16 on CPU.
         **trainer_kwargs: Keyword arguments for ``lightning.pytorch.Trainer``. In addition to what
-            Lightning accepts: ``strategy`` may be any registered strategy name; ``precision`` may
-            be ``"auto"`` or a registered precision name; ``accumulate_grad_batches`` may be an
-            epoch-keyed dict (``{0: 8, 5: 4}``), a schedule name, ``{"name": ..., **params}`` or a
-            schedule object; ``callbacks`` and ``plugins`` may hold registered names.
+            Lightning accepts: ``strategy`` may be any registered strategy name or
+            ``{"name": ..., **params}`` (Lightning's names too); ``precision`` may be ``"auto"``, a
+            registered precision name or ``{"name": ..., **params}`` for one;
+            ``accumulate_grad_batches`` may be an epoch-keyed dict (``{0: 8, 5: 4}``), a schedule
+            name, ``{"name": ..., **params}`` or a schedule object; ``callbacks`` and ``plugins``
+            may hold registered names or ``{"name": ..., **params}``.
 
     Returns:
         Keyword arguments for ``lightning.pytorch.Trainer``.
 
     Raises:
         UnknownNameError: an unknown strategy, precision, schedule or callback name (the message
-            lists the names that exist and the closest match).
-        CompositionError: an unknown Trainer argument, or parts that do not fit together.
+            lists the names that exist and the closest match; ``BlockedNameError`` when a blocked
+            plugin provides it).
+        ParameterError: a parameter a named component does not take, or a required one missing.
+        CompositionError: an unknown Trainer argument, or parts that do not fit together (a
+            Lightning DeepSpeed name or ``16-mixed`` on CPU, a precision its strategy cannot use,
+            ``accumulate_grad_batches`` below 1).
 
     Example:
         >>> import lplugins
@@ -55,6 +60,7 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
     """
     manager = manager or get_manager()
     _check_trainer_arguments(trainer_kwargs)
+    _pairs.check_accumulation_int(trainer_kwargs.get("accumulate_grad_batches"))
     out = dict(trainer_kwargs)
     plugins = _as_list(out.pop("plugins", None))
     callbacks = _as_list(out.pop("callbacks", None))
@@ -67,19 +73,26 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
 
     resolved_plugins: list[Any] = []
     for item in plugins:
-        resolved_plugins.append(_resolve_plugin(manager, item, accelerator, strategy, strategy_component))
+        resolved_plugins.append(_resolve_plugin(manager, item, accelerator, out.get("strategy"), strategy_component))
 
     precision = out.get("precision")
     hook_view = dict(trainer_kwargs)
     if precision is not None:
         precision_obj = _resolve_precision(
-            manager, precision, accelerator, out.get("strategy"), strategy_component, cpu_bf16
+            manager, precision, accelerator, out.get("strategy"), strategy_component, cpu_bf16, out.get("accelerator")
         )
         if isinstance(precision_obj, (str, int)):
             out["precision"] = hook_view["precision"] = precision_obj
         else:
             out.pop("precision")
             resolved_plugins.append(precision_obj)
+
+    name = strategy.get("name") if isinstance(strategy, Mapping) else strategy
+    if strategy_component is None and isinstance(name, str):
+        registered = manager.registry("strategy")
+        _pairs.check_strategy_on_accelerator(
+            name, _strategy_class(name), accelerator, trainer_kwargs.get("accelerator"), list(registered)
+        )
 
     if not any(_is_cluster_environment(p) for p in resolved_plugins):
         detected = _detect_cluster_environment(manager)
@@ -110,16 +123,24 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
     return out
 
 
-def attach(trainer: Trainer, *callbacks: Callback | str, manager: PluginManager | None = None) -> list[Callback]:
+def attach(
+    trainer: Trainer, *callbacks: Callback | str | Mapping[str, Any], manager: PluginManager | None = None
+) -> list[Callback]:
     """Attach callbacks to an already-built Trainer, before ``fit``.
 
     Lightning's ordering rules are applied (tuner callbacks first, checkpoint callbacks last), a
     second instance of a stateful callback is refused, and the attached callbacks' state is saved
     into and restored from checkpoints like any other callback's.
 
+    Attaching a checkpoint callback (a ``lightning.pytorch.callbacks.Checkpoint``, such as
+    ``durable_checkpoint``) removes Lightning's *default* ``ModelCheckpoint`` -- the one ``Trainer``
+    adds when ``enable_checkpointing=True`` and no checkpoint callback was given, recognised by
+    every argument and all its state still at their defaults -- and says so, so that checkpoints
+    are written by one system in one place. A ``ModelCheckpoint`` configured in any way is kept.
+
     Args:
         trainer: A ``lightning.pytorch.Trainer``.
-        *callbacks: ``Callback`` instances or registered callback names.
+        *callbacks: ``Callback`` instances, registered callback names or ``{"name": ..., **params}``.
         manager: The plugin manager (default: the process-wide one).
 
     Returns:
@@ -127,7 +148,8 @@ def attach(trainer: Trainer, *callbacks: Callback | str, manager: PluginManager 
 
     Raises:
         CompositionError: the Trainer is running, or a stateful callback would be duplicated.
-        UnknownNameError: an unknown callback name.
+        UnknownNameError: an unknown callback name (``BlockedNameError``: one a blocked plugin provides).
+        ParameterError: a parameter the callback does not take, or a required one missing.
     """
     from lightning.pytorch.trainer.states import TrainerStatus
 
@@ -135,12 +157,34 @@ def attach(trainer: Trainer, *callbacks: Callback | str, manager: PluginManager 
         raise CompositionError(
             "Cannot attach callbacks while the Trainer is running; call lplugins.attach() before trainer.fit()."
         )
+    from lightning.pytorch.callbacks import Checkpoint
+
     manager = manager or get_manager()
     new = [_resolve_callback(manager, cb) for cb in callbacks]
     existing: list[Callback] = list(getattr(trainer, "callbacks", []))
+    checkpoints = [cb for cb in new if isinstance(cb, Checkpoint)]
+    if checkpoints:
+        defaults = [cb for cb in existing if _pairs.is_default_model_checkpoint(cb)]
+        if defaults:
+            existing = [cb for cb in existing if not any(cb is d for d in defaults)]
+            announce(
+                "lplugins: attach() removed Lightning's default ModelCheckpoint (added by Trainer because "
+                "enable_checkpointing=True and no checkpoint callback was given): %s writes the checkpoints now. "
+                "Pass a configured ModelCheckpoint to the Trainer to keep both.",
+                type(checkpoints[0]).__name__,
+            )
     _check_duplicates(existing + new)
     trainer.callbacks = _lightning.reorder_callbacks(existing + new)  # type: ignore[attr-defined]  # set in Trainer()
+    _understand_ckpt_path(trainer)
     return new
+
+
+def _understand_ckpt_path(trainer: Any) -> None:
+    """``fit(ckpt_path="last")`` means an attached DurableCheckpoint's newest; ``"latest"`` without one is explained."""
+    from lplugins.callbacks import DurableCheckpoint
+    from lplugins.callbacks._resume import understand_ckpt_path
+
+    understand_ckpt_path(trainer, DurableCheckpoint)
 
 
 # ---------------------------------------------------------------------- pieces
@@ -170,10 +214,14 @@ def _check_trainer_arguments(kwargs: Mapping[str, Any]) -> None:
             )
 
 
-def _lightning_strategy_names() -> list[str]:
+def _lightning_strategy_names(registered: Any) -> list[str]:
+    """Lightning's strategy names, less those another lplugins manager mirrored there (not ``registered`` here)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    return ["auto", *StrategyRegistry.available_strategies()]
+    from lplugins._mirror import MIRRORED_BY_LPLUGINS
+
+    names = StrategyRegistry.available_strategies()
+    return ["auto", *(n for n in names if n not in MIRRORED_BY_LPLUGINS or n in registered)]
 
 
 def _resolve_strategy(manager: PluginManager, spec: Any, trainer_kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -187,17 +235,31 @@ def _resolve_strategy(manager: PluginManager, spec: Any, trainer_kwargs: Mapping
         params = {k: v for k, v in spec.items() if k != "name"}
         name = spec["name"]
         if name not in registry:
-            raise UnknownNameError("strategy", name, registry)
+            return None, _lightning_strategy_with_params(manager, name, params)
     else:
         name = spec
     if name in registry:
         component = registry.get(name)
         injected = component.injected({"trainer_kwargs": MappingProxyType(dict(trainer_kwargs))})
         return component, component.create(**{**injected, **params})
-    lightning_names = _lightning_strategy_names()
+    lightning_names = _lightning_strategy_names(registry)
     if name in lightning_names:
         return None, name
-    raise UnknownNameError("strategy", name, set(lightning_names) | set(registry))
+    raise manager.name_error("strategy", name, set(lightning_names) | set(registry))
+
+
+def _lightning_strategy_with_params(manager: PluginManager, name: Any, params: Mapping[str, Any]) -> Any:
+    """``{"name": "ddp", **params}`` for a name of Lightning's ``StrategyRegistry``: checked, then built."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lplugins._params import check_call
+
+    registry = manager.registry("strategy")
+    entry = dict.get(StrategyRegistry, name) if name in _lightning_strategy_names(registry) else None
+    if entry is None:
+        raise manager.name_error("strategy", name, set(_lightning_strategy_names(registry)) | set(registry))
+    check_call("strategy", name, entry["strategy"], entry["init_params"], params, plugin="lightning")
+    return entry["strategy"](**{**entry["init_params"], **params})
 
 
 def _strategy_label(strategy: Any, component: Any) -> str:
@@ -231,9 +293,23 @@ def _resolve_precision(
     strategy: Any,
     strategy_component: Any,
     cpu_bf16: bool,
+    given_accelerator: object = None,
 ) -> Any:
+    params: dict[str, Any] = {}
+    if isinstance(precision, Mapping) and isinstance(precision.get("name"), str):
+        params = {k: v for k, v in precision.items() if k != "name"}
+        precision = precision["name"]
+        if precision not in manager.registry("precision"):
+            raise CompositionError(
+                f"precision={{'name': {precision!r}, ...}}: parameters can be given only to a registered precision "
+                f"({', '.join(manager.registry('precision').names()) or 'none registered'})."
+            )
     if not isinstance(precision, str):
-        if isinstance(precision, int) and str(precision) in LIGHTNING_PRECISIONS:
+        if is_int(precision) and str(precision) in LIGHTNING_PRECISIONS:
+            _pairs.check_precision_on_accelerator(
+                _lightning.unified_precision(precision), accelerator, given_accelerator
+            )
+            _check_lightning_precision(str(precision), strategy, strategy_component)
             return precision
         raise CompositionError(
             f"precision={precision!r} is not a precision name; pass a string such as 'auto', "
@@ -242,25 +318,38 @@ def _resolve_precision(
     if precision == "auto":
         caps = probe_capabilities(accelerator, cpu_bf16=cpu_bf16)
         chosen, reason = choose_precision(accelerator, caps, manager)
-        log.info("lplugins: precision='auto' chose %r (%s)", chosen, reason)
         if chosen == "auto":
             raise CompositionError("lplugins_choose_precision returned 'auto'; a plugin must return a concrete name.")
-        return _resolve_precision(manager, chosen, accelerator, strategy, strategy_component, cpu_bf16)
+        announce("lplugins: precision='auto' chose %r (%s)", chosen, reason)
+        return _resolve_precision(
+            manager, chosen, accelerator, strategy, strategy_component, cpu_bf16, given_accelerator
+        )
     registry = manager.registry("precision")
     if precision in registry:
         component = registry.get(precision)
         _check_supported(component, accelerator, strategy, strategy_component)
-        return _create_precision(component, accelerator, strategy, strategy_component)
+        return _create_precision(component, accelerator, strategy, strategy_component, params)
     if precision in LIGHTNING_PRECISIONS:
+        _pairs.check_precision_on_accelerator(_lightning.unified_precision(precision), accelerator, given_accelerator)
         _check_lightning_precision(precision, strategy, strategy_component)
         return precision
-    raise UnknownNameError("precision", precision, {"auto", *LIGHTNING_PRECISIONS, *registry})
+    available = {"auto", *LIGHTNING_PRECISIONS, *registry}
+    raise manager.name_error("precision", precision, available, hint=_pairs.precision_hint(precision, available))
 
 
-def _create_precision(component: Any, accelerator: str, strategy: Any, strategy_component: Any) -> Any:
-    """Create a registered precision; a factory that declares ``accelerator``/``strategy`` gets them."""
-    available = {"accelerator": accelerator, "strategy": _strategy_label(strategy, strategy_component)}
-    return component.create(**component.injected(available))
+def _create_precision(
+    component: Component, accelerator: str, strategy: Any, strategy_component: Any, params: Mapping[str, Any]
+) -> Any:
+    """Create a registered precision; a factory that declares ``accelerator``/``strategy`` gets them.
+
+    The object is then checked against a DeepSpeed or FSDP strategy, which need their own precision plugins.
+    """
+    label = _strategy_label(strategy, strategy_component)
+    available = {"accelerator": accelerator, "strategy": label}
+    plugin = component.create(**{**component.injected(available), **params})
+    declared = component.metadata.get("strategies")
+    _pairs.check_precision_plugin_for_strategy(component.name, plugin, declared, _strategy_class(strategy), label)
+    return plugin
 
 
 def _strategy_class(strategy: Any) -> type | None:
@@ -303,25 +392,30 @@ def _is_cluster_environment(obj: Any) -> bool:
 
 
 def _resolve_plugin(manager: PluginManager, item: Any, accelerator: str, strategy: Any, strategy_component: Any) -> Any:
+    """A plugin object as is; a cluster environment or precision name, or ``{"name": ..., **params}``."""
+    params: dict[str, Any] = {}
+    if isinstance(item, Mapping) and "name" in item:
+        params = {k: v for k, v in item.items() if k != "name"}
+        item = item["name"]
     if not isinstance(item, str):
         return item
     envs = manager.registry("cluster_environment")
     if item in envs:
-        return envs.get(item).create()
+        return envs.get(item).create(**params)
     precisions = manager.registry("precision")
     if item in precisions:
         component = precisions.get(item)
         _check_supported(component, accelerator, strategy, strategy_component)
-        return component.create()
+        return _create_precision(component, accelerator, strategy, strategy_component, params)
     available = set(envs) | set(precisions)
-    raise UnknownNameError("plugin", item, available)
+    raise manager.name_error("plugin", item, available)
 
 
 def _detect_cluster_environment(manager: PluginManager) -> Any:
     for component in manager.registry("cluster_environment").components():
         detect = component.metadata.get("detect")
         if detect is not None and detect():
-            log.info("lplugins: detected cluster environment %r", component.name)
+            announce("lplugins: detected cluster environment %r (its detect() is true here)", component.name)
             return component.create()
     return None
 
@@ -333,12 +427,12 @@ def _resolve_accumulation(manager: PluginManager, value: Any) -> Callback:
     if isinstance(value, Schedule):
         schedule = value
     elif isinstance(value, str):
-        schedule = schedules.get(value).create()
+        schedule = manager.get("schedule", value).create()
     elif isinstance(value, Mapping) and "name" in value:
         params = {k: v for k, v in value.items() if k != "name"}
-        schedule = schedules.get(value["name"]).create(**params)
+        schedule = manager.get("schedule", value["name"]).create(**params)
     elif isinstance(value, Mapping):
-        schedule = schedules.get("epoch").create(schedule=dict(value))
+        schedule = manager.get("schedule", "epoch").create(schedule=dict(value))
     else:
         raise CompositionError(
             f"accumulate_grad_batches={value!r} is not understood; pass an int, an epoch-keyed dict such as "
@@ -355,10 +449,10 @@ def _resolve_callback(manager: PluginManager, item: Any) -> Callback:
         return item
     registry = manager.registry("callback")
     if isinstance(item, str):
-        return registry.get(item).create()
+        return manager.get("callback", item).create()
     if isinstance(item, Mapping) and "name" in item:
         params = {k: v for k, v in item.items() if k != "name"}
-        return registry.get(item["name"]).create(**params)
+        return manager.get("callback", item["name"]).create(**params)
     raise CompositionError(
         f"Callback {item!r} is neither a lightning.pytorch.Callback, a registered callback name "
         f"({', '.join(registry.names()) or 'none registered'}) nor {{'name': ..., **params}}."

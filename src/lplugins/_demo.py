@@ -165,7 +165,7 @@ def _build(args: argparse.Namespace, out: Path) -> tuple[Any, Any, Any, dict[str
         accelerator=accelerator,
         devices=args.devices,
         precision=args.precision,
-        accumulate_grad_batches=_parse_schedule(args.schedule),
+        accumulate_grad_batches=args.schedule_value,
         max_epochs=args.epochs,
         max_steps=args.max_steps,
         callbacks=[
@@ -216,8 +216,47 @@ def plot(metrics_csvs: list[Path], png: Path) -> bool:
     return True
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad flags with one line naming the flag, before anything is imported or started.
+
+    Raises:
+        LPluginsError: a flag's value is not allowed (``lplugins`` prints it as one line, exit status 2).
+    """
+    from lplugins._errors import LPluginsError
+    from lplugins._validate import positive_int
+
+    for flag, minimum in (("devices", 1), ("epochs", 1), ("samples", 2), ("batch_size", 1)):
+        value = getattr(args, flag)
+        if value < minimum:
+            raise LPluginsError(
+                f"demo: --{flag.replace('_', '-')} {value} is not allowed; it must be an int >= {minimum}."
+            )
+    if args.max_steps != -1:
+        try:
+            positive_int("max_steps", args.max_steps)
+        except LPluginsError:
+            raise LPluginsError(
+                f"demo: --max-steps {args.max_steps} is not allowed; it must be -1 (no limit) or an int >= 1."
+            ) from None
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise LPluginsError(f"demo: --out {args.out} is a file; give a directory (it is created if missing).")
+    try:
+        args.schedule_value = _parse_schedule(args.schedule)
+    except (ValueError, TypeError) as exc:
+        raise LPluginsError(
+            f"demo: --schedule {args.schedule!r} is not understood ({exc}); give an int, an epoch dict such as "
+            "'{0: 4, 2: 2}', a schedule name, or '{\"name\": ..., **params}'."
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the demo (all ranks run this function; rank 0 reports)."""
+    """Run the demo (all ranks run this function; rank 0 reports).
+
+    Raises:
+        LPluginsError: a bad flag (:func:`check_args`) or a composition error, before training starts.
+    """
+    check_args(args)
     import warnings
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -265,4 +304,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "plot", "run", "spirals"]
+__all__ = ["add_parser", "check_args", "plot", "run", "spirals"]

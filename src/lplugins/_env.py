@@ -60,11 +60,14 @@ class Controls:
         autoload: Load entry-point plugins.
         allow: Only these entry-point plugins (plugin or distribution names); ``None``: all.
         blocked: Plugins to block (plugin or distribution names), built-ins included.
+        blocked_by: Where ``blocked`` came from, for messages (``"LPLUGINS_DISABLE=a,b"`` or
+            ``"disable=['a']"``).
     """
 
     autoload: bool
     allow: list[str] | None
     blocked: frozenset[str]
+    blocked_by: str = DISABLE
 
     @classmethod
     def resolve(
@@ -75,10 +78,17 @@ class Controls:
         Raises:
             LPluginsError: ``LPLUGINS_DISABLE_AUTOLOAD`` is not a boolean.
         """
+        if disable is not None:
+            blocked = list(disable)
+            blocked_by = f"disable={blocked!r}"
+        else:
+            blocked = env_list(DISABLE) or []
+            blocked_by = f"{DISABLE}={os.environ.get(DISABLE, '')}"
         return cls(
             autoload=not env_flag(DISABLE_AUTOLOAD) if autoload is None else autoload,
             allow=list(allow) if allow is not None else env_list(PLUGINS),
-            blocked=frozenset(disable if disable is not None else env_list(DISABLE) or []),
+            blocked=frozenset(blocked),
+            blocked_by=blocked_by,
         )
 
     @property

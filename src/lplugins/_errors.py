@@ -66,20 +66,41 @@ class UnknownNameError(LPluginsError, ValueError):
         available: The names that exist.
     """
 
-    def __init__(self, kind: str, name: str, available: Iterable[str]) -> None:
+    def __init__(self, kind: str, name: str, available: Iterable[str], *, hint: str | None = None) -> None:
         self.kind = kind
         self.name = name
         self.available = sorted(available)
-        super().__init__(unknown_name_message(kind, name, self.available))
+        super().__init__(unknown_name_message(kind, name, self.available, hint=hint))
 
 
-def unknown_name_message(kind: str, name: object, available: Iterable[str]) -> str:
-    """Build the message for an unknown name, with the closest match if there is one."""
+class BlockedNameError(UnknownNameError):
+    """A name that a blocked plugin provides (``LPLUGINS_DISABLE`` / ``disable=``).
+
+    Attributes:
+        plugin: The blocked plugin that provides the name.
+        blocked_by: What blocked it, e.g. ``"LPLUGINS_DISABLE=strategies"``.
+    """
+
+    def __init__(self, kind: str, name: str, plugin: str, blocked_by: str) -> None:
+        self.kind = kind
+        self.name = name
+        self.available = []
+        self.plugin = plugin
+        self.blocked_by = blocked_by
+        LPluginsError.__init__(
+            self,
+            f"{kind.capitalize()} {name!r} is provided by plugin {plugin!r}, which is blocked by {blocked_by}. "
+            f"Unblock the plugin to use it, or choose another {kind}.",
+        )
+
+
+def unknown_name_message(kind: str, name: object, available: Iterable[str], *, hint: str | None = None) -> str:
+    """Build the message for an unknown name, with the closest match (or ``hint``) if there is one."""
     from lplugins._validate import did_you_mean  # _validate imports this module
 
     names = sorted(available)
     msg = f"Unknown {kind} {name!r}. Available {kind} names: {', '.join(names) if names else '(none)'}."
-    return msg + did_you_mean(name, names)
+    return msg + (f" Did you mean {hint!r}?" if hint else did_you_mean(name, names))
 
 
 def closest(name: str, choices: Iterable[str]) -> str | None:
@@ -100,3 +121,10 @@ class RegistrationError(LPluginsError, TypeError, ValueError):
 
 class CompositionError(LPluginsError, ValueError):
     """Trainer arguments that cannot be composed (an incompatible pair, a duplicate callback...)."""
+
+
+class ParameterError(CompositionError, TypeError):
+    """A named component was given a parameter its factory does not take, or not one it needs.
+
+    (A ``TypeError`` too, as calling the factory with it would have raised.)
+    """

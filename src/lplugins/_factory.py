@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lplugins import _lightning
 from lplugins._env import AUTO_CALLBACKS, env_flag
 from lplugins._manager import get_manager
 
@@ -23,7 +24,17 @@ ENV_VAR = AUTO_CALLBACKS
 
 
 def callbacks_factory() -> list[Any]:
-    """Return the callbacks that plugins contribute, or ``[]`` unless zero-code mode is on."""
+    """Return the callbacks that plugins contribute, or ``[]`` unless zero-code mode is on.
+
+    In every ``Trainer()`` (zero-code mode or not) it also teaches the Trainer lplugins' reading of
+    ``fit(ckpt_path=...)``: ``"latest"`` without a ``DurableCheckpoint`` is a clear error naming the
+    fix instead of Lightning's ``FileNotFoundError`` (see :func:`lplugins.callbacks.latest_checkpoint`).
+    """
+    trainer = _lightning.trainer_being_built()
+    if trainer is not None:
+        from lplugins._compose import _understand_ckpt_path
+
+        _understand_ckpt_path(trainer)
     if not env_flag(ENV_VAR):
         return []
     return get_manager().trainer_callbacks({})

@@ -168,6 +168,83 @@ def unwrap_strategy_load(strategy: Any) -> None:
         del strategy.load_checkpoint
 
 
+_private("trainer._checkpoint_connector", "_select_ckpt_path", "trainer", "ckpt_path='last'/'latest' read before fit")
+_private(
+    "lightning.pytorch.trainer.connectors.callback_connector",
+    "_validate_callbacks_list",
+    "class",
+    "reads each stateful callback's state_key inside Trainer(): where DurableCheckpoint meets its Trainer",
+)
+
+
+class _SelectCkptPath:
+    """Lightning's ``_select_ckpt_path`` of one connector, with ``ckpt_path`` passed through ``translate`` first.
+
+    A picklable object (``ddp_spawn`` pickles the Trainer); ``translate`` must be picklable too.
+    """
+
+    def __init__(self, trainer: pl.Trainer, translate: Callable[[pl.Trainer, Any, Any], Any]) -> None:
+        self.trainer = trainer
+        self.translate = translate
+
+    def __call__(self, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        connector = self.trainer._checkpoint_connector
+        ckpt_path = self.translate(self.trainer, state_fn, ckpt_path)
+        return type(connector)._select_ckpt_path(connector, state_fn, ckpt_path, *args, **kwargs)
+
+
+def translate_ckpt_path(trainer: pl.Trainer, translate: Callable[[pl.Trainer, Any, Any], Any]) -> bool:
+    """Pass the ``ckpt_path`` of this trainer's ``fit``/``validate``/... through ``translate(trainer, fn, path)``.
+
+    Lightning turns ``"last"``/``"best"`` into paths in ``_select_ckpt_path`` before any callback hook
+    runs. The wrapper is set on this trainer's connector instance only; ``False`` if one is there already.
+    """
+    connector = trainer._checkpoint_connector
+    if isinstance(vars(connector).get("_select_ckpt_path"), _SelectCkptPath):
+        return False
+    setattr(connector, "_select_ckpt_path", _SelectCkptPath(trainer, translate))  # noqa: B010 (over the method)
+    return True
+
+
+def trainer_being_built(depth: int = 16) -> pl.Trainer | None:
+    """The ``Trainer`` whose ``__init__`` is running further up the call stack, or ``None``.
+
+    Lightning gives a callback no hook between ``Trainer(callbacks=[...])`` and ``fit`` parsing its
+    ``ckpt_path``; but ``Trainer()`` reads every stateful callback's ``state_key``
+    (``_validate_callbacks_list``), so a callback can meet its Trainer there.
+    """
+    import sys
+
+    from lightning.pytorch import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame.f_code.co_name == "__init__":
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, Trainer):
+                return obj if hasattr(obj, "_checkpoint_connector") else None
+        if frame.f_back is None:
+            return None
+        frame = frame.f_back
+    return None
+
+
+#: The logger Lightning's ``rank_zero_info`` writes to.
+_LIGHTNING_INFO_LOGGER = "lightning.pytorch.utilities.rank_zero"
+
+
+def hide_lightning_info(message: str) -> Callable[[], None]:
+    """Keep Lightning from logging exactly ``message`` (a filter on its logger); returns the undo."""
+    import logging
+
+    def drop(record: logging.LogRecord) -> bool:
+        return record.getMessage() != message
+
+    logger = logging.getLogger(_LIGHTNING_INFO_LOGGER)
+    logger.addFilter(drop)
+    return lambda: logger.removeFilter(drop)
+
+
 # ------------------------------------------------------------------ accumulation
 # (owned by lplugins.accumulation)
 

@@ -12,6 +12,7 @@ finds the plugins, :mod:`lplugins._mirror` keeps Lightning's ``StrategyRegistry`
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -21,10 +22,11 @@ import pluggy
 from lplugins import hookspecs
 from lplugins._discovery import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, Candidate, PluginInfo, candidates, check_blockable
 from lplugins._env import DISABLE, STRICT, Controls, env_flag
-from lplugins._errors import LPluginsError, PluginError
+from lplugins._errors import BlockedNameError, LPluginsError, PluginError, UnknownNameError
 from lplugins._hooks import HookManager, StageError
+from lplugins._log import announce
 from lplugins._mirror import MIRRORED_BY_LPLUGINS, StrategyMirror, foreign_strategy_names
-from lplugins._registry import Component, Registry, kind_named
+from lplugins._registry import Component, Registrar, Registry, kind_named
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -67,6 +69,7 @@ class PluginManager:
         self._plugins: dict[str, PluginInfo] = {}
         self._objects: dict[str, object] = {}
         self._mirror = StrategyMirror()
+        self._blocked_by = DISABLE
         self.loaded = False
 
     # ------------------------------------------------------------------ queries
@@ -87,9 +90,61 @@ class PluginManager:
         """Return the registered component ``name`` of ``kind``.
 
         Raises:
+            BlockedNameError: the name belongs to a blocked plugin (the message says which, and what blocked it).
             UnknownNameError: no such name; the message lists the names and the closest match.
         """
-        return self.registry(kind).get(name)
+        registry = self.registry(kind)
+        if name in registry:
+            return registry.get(name)
+        raise self.name_error(kind, name, registry)
+
+    def name_error(
+        self, kind: str, name: object, available: Iterable[str], *, hint: str | None = None
+    ) -> UnknownNameError:
+        """The error for a name that is not registered: blocked (and by what) or unknown (with the closest match).
+
+        Args:
+            kind: The registry's kind (``"strategy"``...), as named in the message.
+            name: The name asked for.
+            available: The names that would have been accepted.
+            hint: A suggestion that beats the closest spelling (``"16-mixed"`` for ``"fp16"``).
+        """
+        kinds = ("precision", "cluster_environment") if kind == "plugin" else (kind,)  # compose's plugins=[...]
+        for kind_name in kinds:
+            provider = self._blocked_provider(kind_name, name) if isinstance(name, str) else None
+            if provider is not None:
+                return BlockedNameError(kind, str(name), provider, self._blocked_by)
+        return UnknownNameError(kind, name, available, hint=hint)  # type: ignore[arg-type]  # repr'd in the message
+
+    def _blocked_provider(self, kind: str, name: str) -> str | None:
+        """The blocked built-in plugin that registers ``name`` of ``kind``, if any.
+
+        Built-ins import nothing heavy, so a blocked one is imported here (never registered) to see
+        its names; a blocked entry-point plugin is never imported, so its names stay unknown.
+        """
+        modules = dict(BUILTIN_PLUGINS)
+        for info in self._plugins.values():
+            if info.status != "blocked" or not info.builtin or info.name not in modules:
+                continue
+            if name in self._builtin_names(info.name, modules[info.name]).get(kind, ()):
+                return info.name
+        return None
+
+    @staticmethod
+    def _builtin_names(plugin: str, module_name: str) -> dict[str, list[str]]:
+        staged: list[Component] = []
+        try:
+            module = importlib.import_module(module_name)
+            for kind in hookspecs.KINDS:
+                hook = getattr(module, kind.hook, None)
+                if callable(hook):
+                    hook(register=Registrar(kind, plugin, staged))
+        except Exception:  # a broken built-in is reported when it is loaded, not here
+            return {}
+        names: dict[str, list[str]] = {}
+        for component in staged:
+            names.setdefault(component.kind, []).append(component.name)
+        return names
 
     def plugins(self) -> list[PluginInfo]:
         """Every plugin seen: loaded, blocked and failed, in load order."""
@@ -147,6 +202,7 @@ class PluginManager:
             return self
         controls = Controls.resolve(autoload, allow, disable)
         check_blockable(controls.blocked)
+        self._blocked_by = controls.blocked_by
         seen: set[str] = set()
         for candidate in candidates(controls):
             seen |= candidate.names
@@ -268,9 +324,9 @@ class PluginManager:
         self._plugins[info.name] = info
 
     def _fail(self, exc: PluginError, cause: BaseException | None, info: PluginInfo) -> PluginInfo:
-        """Raise ``exc`` (strict mode), or list the plugin as failed and warn."""
+        """Raise ``exc`` (strict mode, saying how to go on), or list the plugin as failed and warn."""
         if self.strict:
-            raise exc from cause
+            raise _with_remedy(exc, info) from cause
         info.status = "failed"
         info.error = str(exc)
         info.registered = {}
@@ -320,8 +376,50 @@ class PluginManager:
         info = self._plugins.get(plugin_name) or PluginInfo(plugin_name)
         error = info.failure(f"hook lplugins_trainer_callbacks failed: {reason}", "hook")
         if self.strict:
-            raise error from cause
+            raise _with_remedy(error, info) from cause
         warnings.warn(f"{error} (skipped; lenient mode)", PluginWarning, stacklevel=4)
+
+
+def _with_remedy(error: PluginError, info: PluginInfo) -> PluginError:
+    """``error`` with how to go on: strict mode raises it at every load until one of these is done."""
+    if info.builtin:
+        fix = "report it: a built-in plugin should never fail"
+    elif info.distribution:
+        fix = f"fix the plugin, or uninstall it (pip uninstall {info.distribution})"
+    else:
+        fix = "fix the plugin"
+    remedy = (
+        f"To go on without it: block it with {DISABLE}={info.name} (or lplugins.load(disable=[{info.name!r}])), "
+        f"or set {STRICT}=0 to skip failing plugins with a warning (lenient mode); or {fix}. "
+        f"Until then every lplugins.load()/compose() (and, with LPLUGINS_AUTO_CALLBACKS=1, every Trainer()) "
+        f"raises this error again."
+    )
+    return PluginError(
+        f"{error.reason.rstrip('.')}. {remedy}",
+        plugin=error.plugin,
+        distribution=error.distribution,
+        version=error.version,
+        entry_point=error.entry_point,
+        stage=error.stage,
+    )
+
+
+def _announce_loaded(manager: PluginManager) -> None:
+    """Say once, on rank zero, which plugins loaded (and which were blocked or failed)."""
+    by_status: dict[str, list[str]] = {}
+    for info in manager.plugins():
+        by_status.setdefault(info.status, []).append(info.name)
+    loaded = by_status.get("loaded", [])
+    extra = "; ".join(
+        f"{status}: {', '.join(by_status[status])}" for status in ("blocked", "failed") if by_status.get(status)
+    )
+    announce(
+        "lplugins: loaded %d plugin%s: %s%s",
+        len(loaded),
+        "" if len(loaded) == 1 else "s",
+        ", ".join(loaded) or "(none)",
+        f" ({extra})" if extra else "",
+    )
 
 
 # ---------------------------------------------------------------------- the process-wide manager
@@ -368,6 +466,7 @@ def load(
         manager.close()
         raise
     _default = manager
+    _announce_loaded(manager)
     return manager
 
 

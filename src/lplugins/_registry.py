@@ -60,8 +60,29 @@ class Component:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def create(self, **overrides: Any) -> Any:
-        """Build the component: ``factory(**defaults, **overrides)``."""
+        """Build the component: ``factory(**defaults, **overrides)``.
+
+        The parameters are checked against the factory's signature first (following ``**kwargs``
+        where they are handed on, see :mod:`lplugins._params`).
+
+        Raises:
+            ParameterError: a parameter the factory does not take (the message suggests the close
+                one and lists them), or a required one missing.
+        """
+        self.check(overrides)
         return self.factory(**{**self.defaults, **overrides})
+
+    def check(self, overrides: Mapping[str, Any]) -> None:
+        """Check ``overrides`` (and the registered defaults) against the factory's parameters.
+
+        Raises:
+            ParameterError: see :meth:`create`.
+        """
+        from lplugins._params import check_call
+
+        hidden = frozenset(KIND_BY_NAME[self.kind].injected)
+        label = self.kind.replace("_", " ")
+        check_call(label, self.name, self.factory, self.defaults, overrides, plugin=self.plugin, hidden=hidden)
 
     def injected(self, available: Mapping[str, Any]) -> dict[str, Any]:
         """The injected arguments of this kind (:attr:`Kind.injected`) that the factory declares.

@@ -17,10 +17,14 @@ def durable_checkpoint(**kwargs: Any) -> Any:
     return DurableCheckpoint(**kwargs)
 
 
+#: Where the keyword arguments go (``lplugins._params`` checks them against it before the Trainer is built).
+durable_checkpoint.lplugins_forwards_to = "lplugins.callbacks.checkpoint:DurableCheckpoint"  # type: ignore[attr-defined]
+
+
 @hookimpl
 def lplugins_register_callbacks(register: Register) -> None:
     register(
         "durable_checkpoint",
         durable_checkpoint,
-        description="atomic, durable, rank-safe checkpoints; resume with ckpt_path='latest'",
+        description="atomic, durable, rank-safe checkpoints; resume with ckpt_path='latest' (or Lightning's 'last')",
     )

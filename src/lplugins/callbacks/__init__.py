@@ -1,14 +1,15 @@
 """Callbacks shipped with lplugins.
 
 * :class:`DurableCheckpoint` -- atomic, durable, rank-safe checkpoints (``docs/checkpoint.md``), with
-  :func:`latest_checkpoint` and ``ckpt_path="latest"`` for resume and :func:`request_checkpoint` for
-  asking for a save from one rank.
+  :func:`latest_checkpoint` and ``ckpt_path="latest"`` (or Lightning's ``"last"``) for resume and
+  :func:`request_checkpoint` for asking for a save from one rank.
 
 The package, one concern per module (arrows point down: a module imports only those below it)::
 
     checkpoint.py        DurableCheckpoint: the policy -- triggers, retention and top-K, its state, Lightning hooks
     _config.py           CheckpointConfig: the constructor's arguments, checked and frozen
-    _resume.py           LatestResolver: "latest" resolved once for both load paths; SafeResumeIO, latest_checkpoint
+    _resume.py           LatestResolver: "latest" resolved (and announced) once for both load paths; SafeResumeIO,
+                         latest_checkpoint; understand_ckpt_path: Lightning's "last" and "latest" in fit's parsing
     _preemption.py       preemption signals caught as a flag; SLURM requeue; PREEMPTED_EXIT_CODE
     _rng.py              capturing and restoring the random number generators
     _async.py            AsyncWriter: CPU snapshots (deferred copies, buffer reuse) written on a background thread
@@ -22,7 +23,8 @@ The package, one concern per module (arrows point down: a module imports only th
     _storage_fsspec.py   FsspecStorage: fsspec URLs, no fsync
     _stream.py           StreamWriter: direct writes, early write-back, CRC32 off the critical path
     _crc.py              crc32_combine
-    _record.py           the commit marker (Record), checkpoint names and their order
+    _record.py           the commit marker (Record), checkpoint names (NameTemplate: the ``filename`` template)
+                         and their order
     _errors.py           the errors (each an LPluginsError with its builtin base)
 
 Lightning internals (the checkpoint dict, ``trainer.ckpt_path``, wrapping a strategy's

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar, overload
 from lplugins._validate import did_you_mean, is_int, positive_int, positive_number
 from lplugins.callbacks._errors import CheckpointConfigError
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, parse_signal
+from lplugins.callbacks._record import NameTemplate
 from lplugins.callbacks._retention import Retention
 
 __all__ = ["CheckpointConfig", "ConfigField"]
@@ -46,6 +47,10 @@ class CheckpointConfig:
     slurm_requeue: bool = False
     verify: str = "quick"
     crc32: bool = True
+    filename: str | None = None
+    auto_insert_metric_name: bool = True
+    #: How checkpoints are named (from ``filename`` and ``auto_insert_metric_name``); set when built.
+    names: NameTemplate = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         an_int = functools.partial(positive_int, error=CheckpointConfigError, owner=_OWNER)
@@ -80,6 +85,13 @@ class CheckpointConfig:
                 f"{_OWNER}: preemption_exit_code must be an int in 0..255 or None, got {code!r}"
             )
         object.__setattr__(self, "preemption_signals", tuple(parse_signal(s) for s in self.preemption_signals))
+        try:
+            names = NameTemplate(self.filename, bool(self.auto_insert_metric_name))
+        except ValueError as err:
+            raise CheckpointConfigError(
+                f"{_OWNER}: filename={self.filename!r} is not a valid template: {err}"
+            ) from None
+        object.__setattr__(self, "names", names)
 
     @property
     def retention(self) -> Retention:

@@ -26,7 +26,8 @@ class CheckpointDirectoryError(LPluginsError, OSError):
 
 
 class CheckpointResumeError(LPluginsError, RuntimeError):
-    """The ranks resolved different checkpoints to resume from (the directory is not shared)."""
+    """A resume cannot proceed: the ranks resolved different checkpoints (the directory is not shared), or
+    ``ckpt_path="latest"`` was given to a Trainer without a ``DurableCheckpoint``."""
 
 
 class UnsafeCheckpointError(LPluginsError, RuntimeError):

@@ -5,32 +5,138 @@ A checkpoint directory holds, for every committed checkpoint ``NAME``:
 * ``NAME`` -- the data: a file (``torch.save`` zip) or a directory (sharded strategies such as DeepSpeed);
 * ``NAME.commit`` -- the commit marker, a small JSON :class:`Record` written *last*.
 
-Temporary entries start with :data:`TMP_PREFIX`.
+Temporary entries start with :data:`TMP_PREFIX`. Names come from a :class:`NameTemplate`: by default
+``step=<9 digits>-epoch=<4 digits>.ckpt``, or a Lightning-style ``filename`` template.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import string
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 COMMIT_SUFFIX = ".commit"
 TMP_PREFIX = ".tmp."
 FORMAT_VERSION = 1
 NAME_RE = re.compile(r"^step=(\d+)-epoch=(\d+)(-v\d+)?\.ckpt$")
+EXTENSION = ".ckpt"
+#: The fields every template may use besides metric names.
+STATE_FIELDS = ("epoch", "step")
+_VERSION_RE = r"(-v\d+)?"
+_INT_RE = r"[-+]?\d+"
+_FLOAT_RE = r"(?:[-+]?(?:\d[\d.]*(?:e[-+]?\d+)?%?|inf)|nan)"
+_METRIC_NAME_RE = re.compile(r"^[A-Za-z_][\w.\-]*$")
 
 
-def checkpoint_name(global_step: int, epoch: int, version: int = 0) -> str:
-    """The name of the checkpoint taken after ``global_step`` optimizer steps in ``epoch``.
+class NameTemplate:
+    """How checkpoints are named: the default, or a Lightning-style ``filename`` template.
 
-    ``version`` > 0 adds ``-vN``: a name that a checkpoint of another run holds already is never reused.
+    A template names ``{epoch}`` (the 0-based epoch of the saved step), ``{step}`` (the global step) and
+    any logged metric (``{val_loss:.3f}``), with Python format specs. With ``auto_insert_metric_name``
+    (as in Lightning's ``ModelCheckpoint``), ``{name}`` becomes ``name={name}``. ``.ckpt`` is appended, and
+    ``-vN`` before it when the name is taken already.
 
-    >>> checkpoint_name(12, 1), checkpoint_name(12, 1, version=2)
-    ('step=000000012-epoch=0001.ckpt', 'step=000000012-epoch=0001-v2.ckpt')
+    Args:
+        template: The template, or ``None`` for ``step=000000012-epoch=0001``.
+        auto_insert_metric_name: Write ``name=`` in front of every field.
+
+    Raises:
+        ValueError: the template is malformed (the message says how; the caller names the argument).
+
+    >>> NameTemplate().name(NameTemplate().base(step=12, epoch=1, metrics={}), version=2)
+    'step=000000012-epoch=0001-v2.ckpt'
+    >>> t = NameTemplate("{epoch}-{step}-{val_loss:.3f}")
+    >>> t.name(t.base(step=100, epoch=3, metrics={"val_loss": 0.12345}))
+    'epoch=3-step=100-val_loss=0.123.ckpt'
+    >>> bool(t.pattern.match("epoch=3-step=100-val_loss=0.123-v2.ckpt")), t.metric_names
+    (True, ('val_loss',))
     """
-    suffix = f"-v{version}" if version else ""
-    return f"step={global_step:09d}-epoch={epoch:04d}{suffix}.ckpt"
+
+    def __init__(self, template: str | None = None, auto_insert_metric_name: bool = True) -> None:
+        self.template = template
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.fields: list[tuple[str, str | None, str]] = []  # (literal, field or None, format spec)
+        if template is None:
+            self.pattern = NAME_RE
+            self.metric_names: tuple[str, ...] = ()
+            return
+        self.fields = _parse(template)
+        self.metric_names = tuple(dict.fromkeys(f for _, f, _ in self.fields if f and f not in STATE_FIELDS))
+        try:
+            sample = self.base(step=0, epoch=0, metrics=dict.fromkeys(self.metric_names, 0.0))
+        except (ValueError, TypeError) as err:
+            raise ValueError(
+                f"a format spec does not fit its value ({err}): epoch and step are ints, metrics floats"
+            ) from None
+        if not sample.strip(" ."):
+            raise ValueError("it makes an empty name")
+        regex = "".join(
+            re.escape(literal) + ("" if name is None else self._label(name) + self._value_re(name, spec))
+            for literal, name, spec in self.fields
+        )
+        self.pattern = re.compile(f"^{regex}{_VERSION_RE}{re.escape(EXTENSION)}$")
+
+    def _label(self, name: str) -> str:
+        return re.escape(name + "=") if self.auto_insert_metric_name else ""
+
+    @staticmethod
+    def _value_re(name: str, spec: str) -> str:
+        if name in STATE_FIELDS and (not spec or spec[-1] in "dn"):
+            return _INT_RE
+        if name not in STATE_FIELDS and (not spec or spec[-1] in "eEfFgG%"):
+            return _FLOAT_RE
+        return r"[^/]+?"  # an unusual spec: still only names of this template (their literals anchor them)
+
+    def base(self, step: int, epoch: int, metrics: Mapping[str, float]) -> str:
+        """The name for this state, without version and extension (a metric not in ``metrics`` is nan)."""
+        if self.template is None:
+            return f"step={step:09d}-epoch={epoch:04d}"
+        values: dict[str, float | int] = {"step": step, "epoch": epoch}
+        parts = []
+        for literal, name, spec in self.fields:
+            parts.append(literal)
+            if name is not None:
+                value = values[name] if name in STATE_FIELDS else metrics.get(name, math.nan)
+                parts.append((name + "=" if self.auto_insert_metric_name else "") + format(value, spec))
+        return "".join(parts)
+
+    @staticmethod
+    def name(base: str, version: int = 0) -> str:
+        """``base`` with ``-vN`` (for ``version`` > 0) and the extension."""
+        return f"{base}-v{version}{EXTENSION}" if version else base + EXTENSION
+
+
+def _parse(template: str) -> list[tuple[str, str | None, str]]:
+    if not isinstance(template, str) or not template:
+        raise ValueError("it must be a non-empty string")
+    if "/" in template or "\\" in template or template.startswith(TMP_PREFIX):
+        raise ValueError("checkpoints are files directly in dirpath: no '/' or '\\', and no leading '.tmp.'")
+    if template.endswith(EXTENSION):
+        raise ValueError(f"{EXTENSION!r} is appended: leave it out")
+    out: list[tuple[str, str | None, str]] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as err:
+        raise ValueError(f"{err} (write a literal brace as '{{{{' or '}}}}')") from None
+    for literal, name, spec, conversion in parsed:
+        if name is None:
+            out.append((literal, None, ""))
+            continue
+        if not name:
+            raise ValueError("'{}' names no field: use {epoch}, {step} or a logged metric such as {val_loss:.3f}")
+        if conversion or "{" in (spec or ""):
+            raise ValueError(f"field {{{name}}}: conversions ('!r') and nested fields are not supported")
+        if not _METRIC_NAME_RE.match(name):
+            raise ValueError(
+                f"unknown field {{{name}}}: use {{epoch}}, {{step}} or the name of a logged metric (letters, digits,"
+                " '_', '.', '-')"
+            )
+        out.append((literal, name, spec or ""))
+    return out
 
 
 @dataclass
@@ -40,7 +146,7 @@ class Record:
     Attributes:
         name: The checkpoint's name in its directory.
         global_step: ``trainer.global_step`` when it was taken.
-        epoch: ``trainer.current_epoch`` when it was taken.
+        epoch: The 0-based epoch the saved step was taken in (what the name says).
         time: Wall-clock time of the commit (seconds since the epoch).
         kind: ``"file"`` or ``"dir"``.
         size: Size in bytes of a file checkpoint.

@@ -3,11 +3,17 @@
 Lightning loads through the strategy's ``CheckpointIO`` (wrapped in :class:`SafeResumeIO`), except
 for strategies with their own ``load_checkpoint`` (DeepSpeed, FSDP2), which is wrapped on the
 instance. Both call the same resolver: ``"latest"`` becomes the newest committed, loadable checkpoint
-(or a fresh start), every rank must resolve the same path, and ``trainer.ckpt_path`` reports it.
+(or a fresh start), every rank must resolve the same path, ``trainer.ckpt_path`` reports it, and rank
+zero says which checkpoint and why (Lightning's "Restoring states from the checkpoint path at latest"
+is kept off the log: it would name a path that does not exist).
+
+Lightning's own words are understood too (:func:`understand_ckpt_path`): ``ckpt_path="last"`` on a
+Trainer with a ``DurableCheckpoint`` means ``"latest"``, and ``"latest"`` on one without is a clear error.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 from collections.abc import Callable
@@ -16,17 +22,30 @@ from typing import TYPE_CHECKING, Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from lplugins import _lightning
+from lplugins._log import announce
 from lplugins.callbacks._collective import agree_on_path
-from lplugins.callbacks._errors import UnsafeCheckpointError
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._errors import CheckpointResumeError, UnsafeCheckpointError
+from lplugins.callbacks._record import Record, order
+from lplugins.callbacks._storage import Storage, open_storage
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-__all__ = ["LATEST", "LatestResolver", "NoCheckpoint", "SafeResumeIO", "latest_checkpoint", "load_weights_only"]
+__all__ = [
+    "LAST",
+    "LATEST",
+    "LatestResolver",
+    "NoCheckpoint",
+    "SafeResumeIO",
+    "latest_checkpoint",
+    "load_weights_only",
+    "understand_ckpt_path",
+]
 
 #: The ``ckpt_path`` value that resolves to the newest committed, loadable checkpoint.
 LATEST = "latest"
+#: Lightning's word for the newest checkpoint; with a ``DurableCheckpoint`` it means :data:`LATEST`.
+LAST = "last"
 
 
 def latest_checkpoint(dirpath: str | os.PathLike[str], *, deep: bool = False) -> str | None:
@@ -51,8 +70,24 @@ def latest_checkpoint(dirpath: str | os.PathLike[str], *, deep: bool = False) ->
         True
     """
     storage = open_storage(dirpath)
-    records = storage.find_committed(deep=deep)
-    return storage.path(records[-1].name) if records else None
+    record, _ = newest_loadable(storage, deep=deep)
+    return storage.path(record.name) if record is not None else None
+
+
+def newest_loadable(storage: Storage, *, deep: bool = False) -> tuple[Record | None, list[tuple[str, str]]]:
+    """The newest committed checkpoint whose data matches its marker, and the newer ones skipped with why.
+
+    Returns:
+        ``(record or None, [(name, problem), ...])``, the skipped ones newest first.
+    """
+    records = sorted((r for r, _ in storage.records() if r is not None), key=order)
+    skipped: list[tuple[str, str]] = []
+    for record in reversed(records):
+        problem = storage.check(record, deep=deep)
+        if problem is None:
+            return record, skipped
+        skipped.append((record.name, problem))
+    return None, skipped
 
 
 def load_weights_only(io: CheckpointIO, path: Any, map_location: Any = None) -> dict[str, Any]:
@@ -104,6 +139,7 @@ class LatestResolver:
         #: What the last ``"latest"`` resolved to.
         self.resolved: str | None = None
         self._io: SafeResumeIO | None = None
+        self._unhide: Callable[[], None] | None = None
 
     def resolve(self, path: Any) -> Any:
         """The checkpoint to load for ``path``, or ``None`` for a fresh start; all ranks must agree (collective).
@@ -114,11 +150,31 @@ class LatestResolver:
         if not (isinstance(path, str) and path == LATEST):
             agree_on_path(self.trainer, os.fspath(path))
             return path
-        resolved = latest_checkpoint(self.dirpath, deep=self.deep)
+        storage = open_storage(self.dirpath)
+        record, skipped = newest_loadable(storage, deep=self.deep)
+        resolved = storage.path(record.name) if record is not None else None
         agree_on_path(self.trainer, resolved)
         self.resolved = resolved
         _lightning.set_ckpt_path(self.trainer, resolved)
+        self._announce(record, resolved, skipped)
         return resolved
+
+    def _announce(self, record: Record | None, resolved: str | None, skipped: list[tuple[str, str]]) -> None:
+        """Say on rank zero what ``"latest"`` resolved to, and why."""
+        check = "every byte checked against its CRC32" if self.deep else "size and archive directory checked"
+        passed = "; ".join(f"skipped newer {name}: {problem}" for name, problem in skipped)
+        passed = f" ({passed})" if passed else ""
+        if record is None:
+            announce(
+                "lplugins: ckpt_path='latest': no committed checkpoint in %s: starting fresh%s", self.dirpath, passed
+            )
+            return
+        announce(
+            "lplugins: ckpt_path='latest': resuming from %s (step %d, epoch %d, trigger: %s): the newest committed"
+            " checkpoint in %s whose data matches its commit marker (%s)%s",
+            resolved, record.global_step, record.epoch, record.reason or "unknown", self.dirpath, check,
+            passed,
+        )  # fmt: skip
 
     def install(self) -> None:
         """Resolve in front of the strategy's ``CheckpointIO`` and, if it has one, its own ``load_checkpoint``."""
@@ -128,6 +184,9 @@ class LatestResolver:
             strategy.checkpoint_io = self._io
         if loads_itself(self.trainer):
             _lightning.wrap_strategy_load(strategy, self._resolving_load)
+        if self._unhide is None:
+            # Lightning would log "Restoring states from the checkpoint path at latest" even for a fresh start
+            self._unhide = _lightning.hide_lightning_info(f"Restoring states from the checkpoint path at {LATEST}")
 
     def uninstall(self) -> None:
         """Give the strategy its own ``CheckpointIO`` and ``load_checkpoint`` back."""
@@ -136,6 +195,9 @@ class LatestResolver:
             strategy.checkpoint_io = self._io.inner
         self._io = None
         _lightning.unwrap_strategy_load(strategy)
+        if self._unhide is not None:
+            self._unhide()
+            self._unhide = None
 
     def _resolving_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """The strategy's own ``load_checkpoint`` with the path resolved in front."""
@@ -150,6 +212,49 @@ class LatestResolver:
             return original(target, *args, **kwargs)
 
         return load_checkpoint
+
+
+def understand_ckpt_path(trainer: Trainer, durable: type) -> None:
+    """Read Lightning's ``ckpt_path`` words the lplugins way on this trainer (its own instance only; idempotent).
+
+    * ``"last"`` with a ``DurableCheckpoint`` in ``trainer.callbacks``: its newest committed checkpoint
+      (resolved as ``"latest"``), said once on rank zero. Lightning's ``"last"`` only knows
+      ``ModelCheckpoint`` and would start from scratch.
+    * ``"latest"`` without one: :class:`~lplugins.callbacks.CheckpointResumeError` naming the fix, instead
+      of Lightning's ``FileNotFoundError: Checkpoint file not found: latest`` (unless the LightningModule's
+      ``configure_callbacks`` may add one later).
+
+    Args:
+        trainer: The Trainer, before ``fit`` (in ``Trainer()`` or any hook).
+        durable: The class whose instances in ``trainer.callbacks`` resolve ``"latest"``
+            (:class:`~lplugins.callbacks.DurableCheckpoint`; passed in, this module sits below it).
+    """
+    _lightning.translate_ckpt_path(trainer, functools.partial(_translate, durable))
+
+
+def _translate(durable_type: type, trainer: Trainer, state_fn: Any, ckpt_path: Any) -> Any:
+    """``ckpt_path`` as lplugins reads it (see :func:`understand_ckpt_path`)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not isinstance(ckpt_path, str) or ckpt_path not in (LAST, LATEST):
+        return ckpt_path
+    durable = [cb for cb in trainer.callbacks if isinstance(cb, durable_type)]  # type: ignore[attr-defined]
+    fn = getattr(state_fn, "value", state_fn)
+    if ckpt_path == LAST and durable:
+        announce(
+            "lplugins: %s(ckpt_path='last') means DurableCheckpoint's newest committed checkpoint (as 'latest')", fn
+        )
+        return LATEST
+    if ckpt_path == LATEST and not durable:
+        module = trainer.lightning_module
+        if module is None or not is_overridden("configure_callbacks", module):
+            raise CheckpointResumeError(
+                f"trainer.{fn}(ckpt_path='latest') resumes from a DurableCheckpoint's directory, but this Trainer"
+                " has no DurableCheckpoint: add DurableCheckpoint(dirpath=...) to the Trainer's callbacks"
+                " (lplugins.callbacks.DurableCheckpoint, or the name 'durable_checkpoint'), or pass the path"
+                " of a checkpoint file."
+            )
+    return ckpt_path
 
 
 def loads_itself(trainer: Trainer) -> bool:

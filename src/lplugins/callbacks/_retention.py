@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from lplugins.callbacks._background import BackgroundQueue
-from lplugins.callbacks._record import COMMIT_SUFFIX, Record, checkpoint_name, order
+from lplugins.callbacks._record import COMMIT_SUFFIX, NameTemplate, Record, order
 from lplugins.callbacks._storage import Storage
 
 __all__ = ["Ledger", "Retention"]
@@ -86,11 +86,11 @@ class Ledger:
         with self._lock:
             return [r.name for r in self._records]
 
-    def free_name(self, step: int, epoch: int) -> str:
-        """A checkpoint name for this state that nothing in the directory uses."""
+    def free_name(self, base: str) -> str:
+        """A checkpoint name for ``base`` (a :meth:`NameTemplate.base`) that nothing in the directory uses."""
         entries = set(self.storage.listdir())
         version = 0
-        while (name := checkpoint_name(step, epoch, version)) in entries or name + COMMIT_SUFFIX in entries:
+        while (name := NameTemplate.name(base, version)) in entries or name + COMMIT_SUFFIX in entries:
             version += 1
         return name
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 import zlib
 from abc import ABC, abstractmethod
@@ -292,11 +293,12 @@ class Storage(ABC):
         out.sort(key=order)
         return out
 
-    def clean_leftovers(self) -> list[str]:
+    def clean_leftovers(self, names: re.Pattern[str] = NAME_RE) -> list[str]:
         """Remove what a crash can leave behind; return the removed names.
 
         Removes temporary entries, data that was never committed, unreadable markers, and markers whose
-        data is missing or does not match. Only names this module creates are touched.
+        data is missing or does not match. Only names this module creates are touched: uncommitted data
+        only when its name matches ``names`` (the pattern of the callback's :class:`NameTemplate`).
         """
         entries = self.listdir()
         removed: list[str] = []
@@ -308,7 +310,7 @@ class Storage(ABC):
             else:
                 committed.add(record.name)
         for entry in entries:
-            if entry.startswith(TMP_PREFIX) or (NAME_RE.match(entry) and entry not in committed):
+            if entry.startswith(TMP_PREFIX) or (names.match(entry) and entry not in committed):
                 self.remove(entry)
                 removed.append(entry)
         if removed:

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lplugins import _lightning
+from lplugins._log import announce
 from lplugins.callbacks import _rng
 from lplugins.callbacks._async import AsyncWriter
 from lplugins.callbacks._collective import broadcast, gather, reduce_max, writable_on_every_rank
@@ -26,7 +27,7 @@ from lplugins.callbacks._config import CheckpointConfig, ConfigField
 from lplugins.callbacks._errors import CheckpointConfigError
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
-from lplugins.callbacks._resume import LatestResolver
+from lplugins.callbacks._resume import LatestResolver, understand_ckpt_path
 from lplugins.callbacks._retention import Ledger
 from lplugins.callbacks._storage import open_storage
 from lplugins.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, writes_itself
@@ -77,6 +78,13 @@ class DurableCheckpoint(Checkpoint):
             not check them); torch's process-wide switch for them is off during the write.
         verify: ``"quick"`` (size and archive directory) or ``"deep"`` (every byte against the CRC32)
             check of a candidate when resolving ``"latest"``.
+        filename: A Lightning-style name template, e.g. ``"{epoch}-{step}-{val_loss:.3f}"``: ``{epoch}`` (the
+            0-based epoch of the saved step), ``{step}`` (the global step) and logged metrics (from
+            ``trainer.callback_metrics``; ``nan`` when not logged yet), with format specs. ``.ckpt`` is
+            appended, ``-vN`` before it when the name is taken. ``None``: ``step=000000012-epoch=0001.ckpt``.
+            Names never decide which checkpoint is newest: the commit order does.
+        auto_insert_metric_name: With ``filename``, write ``name=`` before each field
+            (``epoch=3-step=100-val_loss=0.123.ckpt``), as Lightning's ``ModelCheckpoint`` does.
 
     Attributes:
         config: The arguments, checked and frozen (each is also readable as an attribute, e.g. ``every_n_steps``).
@@ -86,7 +94,7 @@ class DurableCheckpoint(Checkpoint):
 
     Raises:
         CheckpointConfigError: (a ``ValueError``) an interval, ``keep_last``, ``keep_top``, ``max_in_flight``,
-            ``mode``, ``monitor``, ``verify`` or a signal is invalid (the message names the argument).
+            ``mode``, ``monitor``, ``verify``, ``filename`` or a signal is invalid (the message names the argument).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -110,6 +118,8 @@ class DurableCheckpoint(Checkpoint):
     slurm_requeue = ConfigField[bool]()
     verify = ConfigField[str]()
     crc32 = ConfigField[bool]()
+    filename = ConfigField[str | None]()
+    auto_insert_metric_name = ConfigField[bool]()
 
     def __init__(
         self,
@@ -130,12 +140,15 @@ class DurableCheckpoint(Checkpoint):
         slurm_requeue: bool = False,
         verify: str = "quick",
         crc32: bool = True,
+        filename: str | None = None,
+        auto_insert_metric_name: bool = True,
     ) -> None:
         self.config = CheckpointConfig(
             every_n_steps=every_n_steps, every_n_seconds=every_n_seconds, every_n_epochs=every_n_epochs,
             save_on_train_end=save_on_train_end, keep_last=keep_last, keep_top=keep_top, monitor=monitor, mode=mode,
             async_save=async_save, max_in_flight=max_in_flight, preemption_signals=preemption_signals,
             preemption_exit_code=preemption_exit_code, slurm_requeue=slurm_requeue, verify=verify, crc32=crc32,
+            filename=filename, auto_insert_metric_name=auto_insert_metric_name,
         )  # fmt: skip
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self._state_key = _lightning.callback_state_key(self, dirpath=self.dirpath)
@@ -147,15 +160,22 @@ class DurableCheckpoint(Checkpoint):
         self._signals = PreemptionSignals(self.config.preemption_signals)
         self._requested = False
         self._boundary_step = -1  # the global step of the last step boundary seen
+        self._boundary_epoch = 0  # the 0-based epoch that step was taken in
         self._last_saved_step = -1  # the global step whose state is on disk already
         self._saving_step = -1  # the global step being saved (state_dict records it), -1 outside a save
         self._last_save_time = 0.0
         self._rng_states: list[dict[str, Any]] | None = None  # every rank's RNG states, during a save
+        self._unlogged: set[str] = set()  # template metrics warned about as not logged
 
     # ---------------------------------------------------------------------------------- public API
     @property
     @override
     def state_key(self) -> str:
+        # ``Trainer()`` reads this while it is being built: the one moment before ``fit`` parses its
+        # ``ckpt_path`` where this callback can meet its Trainer (for ``ckpt_path="last"``)
+        trainer = _lightning.trainer_being_built()
+        if trainer is not None:
+            understand_ckpt_path(trainer, DurableCheckpoint)
         return self._state_key
 
     @property
@@ -179,17 +199,24 @@ class DurableCheckpoint(Checkpoint):
         if self._resolver is None or self._resolver.trainer is not trainer:
             self._resolver = LatestResolver(trainer, dirpath, deep=self.config.verify == "deep")
         self._resolver.install()
+        understand_ckpt_path(
+            trainer, DurableCheckpoint
+        )  # for the next fit/validate/test (a no-op if done in Trainer())
         if stage != "fit":
             return
         writable_on_every_rank(trainer, storage)
         if trainer.is_global_zero:
-            removed = storage.clean_leftovers()
+            removed = storage.clean_leftovers(self.config.names.pattern)
             if removed:
-                rank_zero_info(f"DurableCheckpoint: removed {len(removed)} uncommitted leftover(s) in {dirpath}")
+                shown = ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+                announce(
+                    "lplugins: DurableCheckpoint removed %d uncommitted or damaged leftover(s) in %s (never resumed"
+                    " from): %s",
+                    len(removed), dirpath, shown,
+                )  # fmt: skip
             self._ledger.open()  # retention deletes old checkpoints off the training thread
         trainer.strategy.barrier("DurableCheckpoint.setup")
         self._writer = self._choose_writer(trainer, self._ledger)
-        self._boundary_step = -1
         self._last_saved_step = -1
         self._last_save_time = time.monotonic()
 
@@ -210,6 +237,10 @@ class DurableCheckpoint(Checkpoint):
         # Lightning installs its SIGTERM handler after `setup`; ours replaces it for the run
         self._signals.install()
         self._last_save_time = time.monotonic()
+        # The state restored (or the initial one) is a step boundary: the first micro-batches of the next
+        # window run at the same global step and must not look like a new boundary (no save mid-window).
+        self._boundary_step = trainer.global_step
+        self._boundary_epoch = trainer.current_epoch
 
     # ---------------------------------------------------------------------------------- triggers
     @override
@@ -220,7 +251,7 @@ class DurableCheckpoint(Checkpoint):
         step = trainer.global_step
         if step == self._boundary_step:
             return  # not an optimizer-step boundary (gradient accumulation)
-        self._boundary_step = step
+        self._boundary_step, self._boundary_epoch = step, trainer.current_epoch
         every_n_seconds = self.config.every_n_seconds
         time_due = bool(
             trainer.is_global_zero
@@ -236,7 +267,7 @@ class DurableCheckpoint(Checkpoint):
         if background_failed and self._writer is not None:
             self._writer.raise_failure()
         reasons = []
-        if self.config.every_n_steps is not None and step % self.config.every_n_steps == 0:
+        if self.config.every_n_steps is not None and step > 0 and step % self.config.every_n_steps == 0:
             reasons.append("step")
         if time_due:
             reasons.append("time")
@@ -304,10 +335,10 @@ class DurableCheckpoint(Checkpoint):
     def _save(self, trainer: Trainer, reason: str) -> None:
         assert self._ledger is not None and self._writer is not None, "DurableCheckpoint.setup() did not run"
         self._complete_snapshot()
-        step, epoch = trainer.global_step, trainer.current_epoch
+        step, epoch = trainer.global_step, self._epoch_of(trainer)
         if step == self._last_saved_step:
             return  # every rank agrees: this state is saved already (or was loaded from a checkpoint)
-        name = broadcast(trainer, self._ledger.free_name(step, epoch) if trainer.is_global_zero else None)
+        name = broadcast(trainer, self._free_name(trainer, step, epoch) if trainer.is_global_zero else None)
         self._last_saved_step = step
         self._last_save_time = time.monotonic()
         start = time.perf_counter()
@@ -318,6 +349,16 @@ class DurableCheckpoint(Checkpoint):
         # errors of a background write surface at the next step boundary, on every rank
         self._writer.save(trainer, self._dump(trainer, step), record)
         self.save_stalls.append(time.perf_counter() - start)
+
+    def _epoch_of(self, trainer: Trainer) -> int:
+        """The 0-based epoch the current global step was taken in (what every checkpoint name says).
+
+        At the end of fit, ``trainer.current_epoch`` counts the epochs completed (a run stopped by
+        ``max_steps`` inside epoch 0 reports 1); the epoch recorded at the last step boundary does not.
+        """
+        if trainer.global_step == self._boundary_step:
+            return self._boundary_epoch
+        return trainer.current_epoch
 
     def _dump(self, trainer: Trainer, step: int) -> dict[str, Any]:
         """The checkpoint dict, with every rank's RNG states in this callback's state (a collective)."""
@@ -335,13 +376,27 @@ class DurableCheckpoint(Checkpoint):
         if waited is not None and self.save_stalls:
             self.save_stalls[-1] += waited
 
-    def _metric(self, trainer: Trainer) -> float | None:
-        if self.config.monitor is None:
+    def _metric(self, trainer: Trainer, name: str | None = None) -> float | None:
+        name = name or self.config.monitor
+        if name is None:
             return None
-        value = trainer.callback_metrics.get(self.config.monitor)
+        value = trainer.callback_metrics.get(name)
         if value is None:
             return None
         return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def _free_name(self, trainer: Trainer, step: int, epoch: int) -> str:
+        """The name of this save (rank 0): the template filled in, ``-vN`` if the name is taken."""
+        assert self._ledger is not None
+        names = self.config.names
+        metrics = {m: v for m in names.metric_names if (v := self._metric(trainer, m)) is not None}
+        for missing in sorted(set(names.metric_names) - set(metrics) - self._unlogged):
+            self._unlogged.add(missing)
+            rank_zero_warn(
+                f"DurableCheckpoint(filename={names.template!r}): metric {missing!r} is not logged (yet) at step"
+                f" {step}; its part of the name is 'nan' until it is."
+            )
+        return self._ledger.free_name(names.base(step, epoch, metrics))
 
     def _finish(self, trainer: Trainer) -> None:
         """Finish every save in flight; report a background failure on all ranks."""

@@ -3,15 +3,48 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lplugins.strategies._memory import Estimate, device_bytes_per_parameter, gib
+from lplugins.strategies._memory import STRATEGY_NAMES, Estimate, device_bytes_per_parameter, gib
 
 if TYPE_CHECKING:
     from lplugins.strategies.advisor import Advice
 
-__all__ = ["explain", "nothing_fits"]
+__all__ = ["CLI_SPELLING", "PYTHON_SPELLING", "Spelling", "explain", "nothing_fits"]
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How the inputs are spelt where the advisor was called from: Python keywords or CLI flags."""
+
+    names: Mapping[str, str]
+    cli: bool = False
+
+    def __call__(self, name: str) -> str:
+        return self.names.get(name, name)
+
+    def arg(self, name: str, value: object) -> str:
+        """``device_memory_gib=80`` in Python, ``--device-memory-gib 80`` on the command line."""
+        return f"{self(name)} {value}" if self.cli else f"{self(name)}={value!r}"
+
+
+PYTHON_SPELLING = Spelling({})
+CLI_SPELLING = Spelling(
+    {
+        "num_parameters": "PARAMETERS",
+        "optimizer": "--optimizer",
+        "precision": "--precision",
+        "device_memory_gib": "--device-memory-gib",
+        "devices_per_node": "--devices-per-node",
+        "num_nodes": "--nodes",
+        "host_memory_gib": "--host-memory-gib",
+        "accelerator": "--accelerator",
+        "headroom": "--headroom",
+    },
+    cli=True,
+)
 
 
 def explain(advice: Advice) -> str:
@@ -23,6 +56,7 @@ def explain(advice: Advice) -> str:
         f"{advice.world_size} processes; {gib(advice.usable_device_bytes)} usable per device "
         f"({gib(i.get('device_memory_bytes', 0))} less {i.get('headroom', 0):.0%} headroom for activations)"
         + (f"; host {gib(advice.host_bytes_per_node)} per node" if advice.host_bytes_per_node else ""),
+        *(f"Assumed: {a}" for a in advice.assumptions),
         "",
         f"{'strategy':<32}{'bytes/param W+G+O':<20}{'per device':<22}{'per device':>14}  verdict",
     ]
@@ -36,6 +70,12 @@ def explain(advice: Advice) -> str:
             f"{_formula(e.key, w, g, o, advice.world_size):<22}{gib(e.device_bytes):>14}  {verdict}"
         )
     lines += ["", f"Recommended: {advice.label} -> strategy={advice.strategy!r}"]
+    if advice.key.startswith("zero") and i.get("accelerator") == "cuda":
+        lines.append(
+            f"Note: with accumulate_grad_batches=k > 1, Lightning's DeepSpeed strategies step with 1/k of the gradient "
+            f"(the loss is divided by k twice); lplugins' {STRATEGY_NAMES['cpu'][advice.key]!r} is the same "
+            f"strategy on CUDA, dividing once."
+        )
     return "\n".join(lines)
 
 
@@ -55,9 +95,17 @@ def _formula(key: str, w: float, g: float, o: float, n: int) -> str:
 
 
 def nothing_fits(
-    count: int, estimates: Sequence[Estimate], usable: float, host_usable: float, inputs: Mapping[str, Any]
+    count: int,
+    estimates: Sequence[Estimate],
+    usable: float,
+    host_usable: float,
+    inputs: Mapping[str, Any],
+    arg: Callable[[str, object], str] = lambda name, value: f"{name}={value!r}",
 ) -> str:
-    """The message when no strategy fits: what the fully sharded strategies need, and how many nodes would do."""
+    """The message when no strategy fits: what the fully sharded strategies need, and how many nodes would do.
+
+    ``arg(name, value)`` spells an input as the caller writes it (``num_nodes=2``, ``--nodes 2``).
+    """
     sharded = next(e for e in estimates if e.key == "zero3")
     total = count * sum(sharded.bytes_per_param)
     per_node = usable * inputs["devices_per_node"]
@@ -74,7 +122,13 @@ def nothing_fits(
             f"; ZeRO-3 with offload needs {gib(offload.host_bytes_per_node)} host RAM per node, but a node has "
             f"{gib(host_usable)} usable"
         )
-        msg += f". It would fit on {min(nodes_sharded, nodes_offload)} node(s)"
+        if nodes_offload < nodes_sharded:
+            msg += (
+                f". It would fit on {nodes_offload} node(s) with ZeRO-3 + offload ({arg('num_nodes', nodes_offload)}),"
+                f" on {nodes_sharded} node(s) fully sharded without offload"
+            )
+        else:
+            msg += f". It would fit on {nodes_sharded} node(s) ({arg('num_nodes', nodes_sharded)})"
     else:
-        msg += f". It would fit on {nodes_sharded} node(s)"
+        msg += f". It would fit on {nodes_sharded} node(s) ({arg('num_nodes', nodes_sharded)})"
     return msg + ", or with a smaller optimizer state or lower precision."

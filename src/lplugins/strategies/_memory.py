@@ -19,6 +19,10 @@ Bytes per parameter (``W``, ``G``, ``O``) depend on the precision and on who imp
 compute, while DeepSpeed keeps bf16 weights and gradients (2 + 2) and an fp32 master copy in the
 optimizer state (+4). Adam's two moments are 8 bytes. Both add up to 16 bytes per parameter; they
 shard differently. Activations are not modelled: the advisor keeps a ``headroom`` free for them.
+
+The hardware: this machine's (:func:`local_gpu`, :func:`host_memory_bytes`) when it is the target;
+for another GPU node not described in full, the host memory typical for its GPUs
+(:func:`typical_host_memory_gib`).
 """
 
 from __future__ import annotations
@@ -33,16 +37,24 @@ from lplugins._errors import LPluginsError
 from lplugins._validate import did_you_mean, positive_number
 
 __all__ = [
+    "CANDIDATES",
     "GIB",
     "OPTIMIZER_STATE_BYTES",
     "PRECISIONS",
+    "STRATEGY_NAMES",
+    "TYPICAL_HOST_GIB_PER_GPU",
     "AdvisorError",
     "Estimate",
+    "LocalGPU",
+    "auto_precision",
     "bytes_per_parameter",
     "device_bytes_per_parameter",
     "gib",
     "host_memory_bytes",
+    "local_gpu",
+    "optimizer_state_bytes",
     "parse_count",
+    "typical_host_memory_gib",
 ]
 
 GIB = 2**30
@@ -75,6 +87,36 @@ PRECISIONS: Mapping[str, str] = {
     "bf16": "mixed",
     "16-true": "half",
     "bf16-true": "half",
+}
+
+
+#: (key, label), in the order they are preferred.
+CANDIDATES: tuple[tuple[str, str], ...] = (
+    ("ddp", "DDP"),
+    ("zero2", "DeepSpeed ZeRO-2"),
+    ("fsdp", "FSDP (FULL_SHARD)"),
+    ("zero3", "DeepSpeed ZeRO-3"),
+    ("zero3_offload", "DeepSpeed ZeRO-3 + CPU offload"),
+)
+
+#: The strategy name recommended for each candidate, by target accelerator: Lightning's own names on
+#: CUDA, lplugins' names that also run with ``accelerator="cpu"`` on CPU (Lightning's DeepSpeed and
+#: FSDP refuse it). ``ddp_timeout`` is DDP with the lplugins process-group timeout, on either.
+STRATEGY_NAMES: Mapping[str, Mapping[str, str]] = {
+    "cuda": {
+        "ddp": "ddp_timeout",
+        "zero2": "deepspeed_stage_2",
+        "fsdp": "fsdp",
+        "zero3": "deepspeed_stage_3",
+        "zero3_offload": "deepspeed_stage_3_offload",
+    },
+    "cpu": {
+        "ddp": "ddp_timeout",
+        "zero2": "deepspeed_stage_2_cpu",
+        "fsdp": "fsdp2",
+        "zero3": "deepspeed_stage_3_cpu",
+        "zero3_offload": "deepspeed_stage_3_offload_cpu",
+    },
 }
 
 
@@ -133,7 +175,7 @@ def bytes_per_parameter(precision: str, optimizer: str | float, *, deepspeed: bo
     kind = PRECISIONS.get(str(precision))
     if kind is None:
         raise AdvisorError(f"Unknown precision {precision!r}. Known: {', '.join(PRECISIONS)}.")
-    state = _optimizer_bytes(optimizer)
+    state = optimizer_state_bytes(optimizer)
     if kind == "64":
         return (8, 8, state * 2)
     if kind == "32":
@@ -145,7 +187,12 @@ def bytes_per_parameter(precision: str, optimizer: str | float, *, deepspeed: bo
     return (2, 2, state / 2)  # "true" half precision: states in the parameter dtype
 
 
-def _optimizer_bytes(optimizer: str | float) -> float:
+def optimizer_state_bytes(optimizer: str | float) -> float:
+    """The optimizer state in bytes per parameter, for a name or a number.
+
+    Raises:
+        AdvisorError: an unknown name (with "did you mean"), or a negative number.
+    """
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         unit = "state bytes per parameter"
         return positive_number("optimizer", optimizer, allow_zero=True, error=AdvisorError, unit=unit)
@@ -206,6 +253,66 @@ def host_memory_bytes() -> float:
         import psutil
 
         return float(psutil.virtual_memory().total)
+
+
+@dataclass(frozen=True)
+class LocalGPU:
+    """This machine's CUDA devices: how many, the first one's memory (bytes) and name, bf16 support."""
+
+    count: int
+    memory: float
+    name: str
+    bf16: bool
+
+
+def local_gpu() -> LocalGPU | None:
+    """This machine's CUDA devices (the first one's memory and name), or ``None``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    count = torch.cuda.device_count()
+    return LocalGPU(count, float(props.total_memory), str(props.name), bool(torch.cuda.is_bf16_supported()))
+
+
+def auto_precision(accelerator: str, local: LocalGPU | None) -> tuple[str, str]:
+    """``precision="auto"`` for the target, by lplugins' rule (:func:`lplugins.precision.default_precision`)."""
+    if accelerator == "cpu":
+        return "32-true", "lplugins' precision='auto' rule on CPU, without cpu_bf16=True"
+    if local is not None:
+        if local.bf16:
+            return "bf16-mixed", f"lplugins' precision='auto' rule for this machine's {local.name}, which has bf16"
+        return "16-mixed", f"lplugins' precision='auto' rule for this machine's {local.name}, which has no bf16"
+    return "bf16-mixed", (
+        "lplugins' precision='auto' rule for a CUDA GPU with bf16 (compute capability 8.0+, A100 and later); "
+        "for a V100 it picks '16-mixed', which needs the same memory"
+    )
+
+
+#: Host memory per GPU on typical servers, by the GPU's memory: (at least this many GiB per GPU,
+#: host GiB per GPU, where the figure comes from). Below the last row: twice the GPU memory.
+TYPICAL_HOST_GIB_PER_GPU: tuple[tuple[float, float, str], ...] = (
+    (64, 256, "NVIDIA's DGX A100 640GB, DGX H100 and DGX H200 have 2 TiB for 8 GPUs"),
+    (32, 128, "NVIDIA's DGX A100 320GB has 1 TiB for 8 GPUs of 40 GB"),
+)
+
+
+def typical_host_memory_gib(device_memory_gib: float, devices_per_node: int) -> tuple[float, str]:
+    """Host memory per node typical for a node of ``devices_per_node`` GPUs of ``device_memory_gib``.
+
+    What the advisor assumes for a target it cannot measure (another machine) when it is not told.
+    Returns ``(GiB per node, where the figure comes from)``.
+
+    Example:
+        >>> typical_host_memory_gib(80, 8)[0], typical_host_memory_gib(40, 8)[0], typical_host_memory_gib(24, 4)[0]
+        (2048, 1024, 192)
+    """
+    for at_least, per_gpu, source in TYPICAL_HOST_GIB_PER_GPU:
+        if device_memory_gib >= at_least:
+            return per_gpu * devices_per_node, f"{per_gpu:g} GiB per GPU; {source}"
+    per_gpu = 2 * device_memory_gib
+    return per_gpu * devices_per_node, "twice the GPU memory, a common rule of thumb"
 
 
 def gib(n: float) -> str:
