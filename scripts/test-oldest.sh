@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The oldest supported Lightning: a second virtual environment, .venv-oldest, with lightning==2.5.0
+# The oldest supported Lightning: a second virtual environment, .venv-oldest, with lightning==2.6.0
 # (the lower end of pyproject.toml's range and of CHECKED_VERSIONS in src/lplugins/_lightning.py),
 # then the Lightning-internals guard and a fast, representative subset of the unit tests under it.
 # The newest supported Lightning is what scripts/test.sh installs in .venv and tests in full.
@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV=.venv-oldest
-OLDEST=2.5.0
+OLDEST=2.6.0
 if ! "$VENV/bin/python" -c "import lightning, lplugins, pytest, deepspeed, sys; sys.exit(lightning.__version__ != '$OLDEST')" 2>/dev/null; then
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"

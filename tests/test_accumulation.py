@@ -598,3 +598,63 @@ def test_resume_from_a_checkpoint_without_scheduler_state_uses_lightnings_step(t
     )
     assert obs.factors == [3, 3, 3, 3]
     assert resumed.global_step == 16
+
+
+# ---------------------------------------------------------------------------- decisions said once, on rank zero
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "lplugins" and "accumulation" in r.getMessage()]
+
+
+def test_the_starting_factor_is_said_once_with_its_schedule(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="lplugins"):
+        fit(TinyModel(n=24), {0: 2, 1: 4}, max_epochs=2)
+    assert _said(caplog) == [
+        "lplugins: gradient accumulation per EpochSchedule({0: 2, 1: 4}): 2 micro-batch(es) per optimizer step, "
+        "effective global batch 4 (from optimizer step 0, epoch 0)",
+        "lplugins: gradient accumulation now 4 micro-batch(es) per optimizer step, effective global batch 8 "
+        "(from optimizer step 6, epoch 1); was 2",
+    ]
+
+
+def test_accumulation_decisions_are_said_on_rank_zero_only(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lplugins.rankzero._rank as rank
+
+    monkeypatch.setattr(rank, "is_global_zero", lambda: False)  # as on global rank 1 of a job
+    with caplog.at_level(logging.INFO, logger="lplugins"):
+        fit(TinyModel(n=24), {0: 2, 1: 4}, max_epochs=2)
+    assert _said(caplog) == []
+
+
+def test_resume_inside_a_window_and_without_scheduler_state_are_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = tmp_path / "mid.ckpt"
+    schedule = {"name": "step", "schedule": {0: 4, 3: 2}}
+    fit(TinyModel(n=32), schedule, max_epochs=1, callbacks=[SaveAt(9, ckpt)])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lplugins"):
+        fit(TinyModel(n=32), schedule, max_epochs=2, ckpt_path=str(ckpt))
+    said = _said(caplog)
+    assert said[0] == (
+        "lplugins: gradient accumulation (StepSchedule({0: 4, 3: 2})): resuming inside a window of 4 micro-batches "
+        "per optimizer step (2 already accumulated before the checkpoint)."
+    )
+    assert said[1].startswith("lplugins: gradient accumulation now 2 micro-batch(es)") and len(said) == 2
+
+    plain = pl.Trainer(**trainer_kwargs(max_epochs=1))
+    plain.fit(TinyModel(n=24))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lplugins"):
+        fit(
+            TinyModel(n=24),
+            {"name": "step", "schedule": {0: 1, 12: 3}},
+            max_epochs=2,
+            ckpt_path=str(tmp_path / "plain.ckpt"),
+        )
+    assert [m for m in _said(caplog) if "no accumulation-scheduler state" in m] == [
+        "lplugins: the checkpoint holds no accumulation-scheduler state; StepSchedule({0: 1, 12: 3}) continues "
+        "from optimizer step 12 (samples counted from 0)."
+    ]

@@ -46,12 +46,11 @@ class Model(LightningModule):
     def _step(self, stage, batch):
         x, y = batch
         logits = self.net(x)
-        # probabilities, not logits: torchmetrics decides per update() whether preds are logits (any value
-        # outside [0, 1]), so a small batch of logits that all fall in [0, 1] would skip the softmax
-        probs = logits.softmax(-1)
+        # logits, as the docs write it: MetricsCallback(logits="auto") decides once, on both ranks together,
+        # and applies the softmax to every batch (torchmetrics alone would skip it for a batch inside [0, 1])
         if not self.trainer.sanity_checking:  # the callback does not feed sanity-check batches either
-            self.fed[stage].append((probs.detach().clone(), y.clone()))
-        return {"loss": torch.nn.functional.cross_entropy(logits, y), "preds": probs, "target": y}
+            self.fed[stage].append((logits.detach().softmax(-1), y.clone()))
+        return {"loss": torch.nn.functional.cross_entropy(logits, y), "preds": logits, "target": y}
 
     def training_step(self, batch, batch_idx):
         return self._step("train", batch)
@@ -184,3 +183,5 @@ def test_two_rank_metrics_equal_single_process_reference_and_log_once(tmp_path: 
     for message in ("fit starts", "epoch 0 done", "epoch 1 done", "fit ends"):
         assert lines.count(f"LOG 0 {message}") == 1, message
     assert not [line for line in lines if line.startswith("LOG 1")]
+    said = [line for line in (res.stdout + res.stderr).splitlines() if "MetricsCallback(logits='auto')" in line]
+    assert len(said) == 1 and "treats preds as logits for the whole run" in said[0], said

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["CHECKED_VERSIONS", "PRIVATES", "Private"]
 
 #: The Lightning versions every entry of :data:`PRIVATES` was checked against (CI: oldest and newest).
-CHECKED_VERSIONS = "2.5.0 - 2.6.6"
+CHECKED_VERSIONS = "2.6.0 - 2.6.6"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ def metrics(**kwargs: Any) -> Any:
     return MetricsCallback(**kwargs)
 
 
+metrics.lplugins_forwards_to = "lplugins.metrics:MetricsCallback"  # type: ignore[attr-defined]
+
+
 def rank_throughput(**kwargs: Any) -> Any:
     """Build a :class:`lplugins.metrics.ThroughputCallback` (imported lazily)."""
     from lplugins.metrics import ThroughputCallback
@@ -28,12 +31,18 @@ def rank_throughput(**kwargs: Any) -> Any:
     return ThroughputCallback(**kwargs)
 
 
+rank_throughput.lplugins_forwards_to = "lplugins.metrics:ThroughputCallback"  # type: ignore[attr-defined]
+
+
 @hookimpl
 def lplugins_register_callbacks(register: Register) -> None:
     register(
         "metrics",
         metrics,
-        description="torchmetrics on step outputs, synced across ranks, logged once per interval (give metrics=...)",
+        description=(
+            "torchmetrics on step outputs (steps return preds/target; logits made probabilities once per run), "
+            "synced across ranks, logged once per interval (give metrics=...)"
+        ),
     )
     register(
         "rank_throughput",

@@ -8,7 +8,6 @@ chosen once, at ``setup``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -17,14 +16,13 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lplugins import _lightning
+from lplugins._log import announce
 from lplugins._validate import is_int, positive_int
 from lplugins.accumulation._drivers import Driver, choose_driver
 from lplugins.accumulation._schedules import Schedule, ScheduleContext, ScheduleError, schedule_from
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger("lplugins")
 
 #: Progress-bar keys (shown by Lightning's progress bars; not sent to loggers).
 PBAR_FACTOR = "accum"
@@ -63,8 +61,9 @@ class AccumulationScheduler(Callback):
         micro_batch_size: Samples per micro-batch on one process, for schedules that need it
             (default: the schedule's own, then the training DataLoader's ``batch_size``, then the
             size of the first batch).
-        log_changes: Log the factor and the effective global batch (rank zero, once per change)
-            to the Python logger ``"lplugins"`` and to the Trainer's loggers.
+        log_changes: Say the starting factor (with the schedule) and each change, with the effective
+            global batch, once on global rank zero: on the ``"lplugins"`` logger (shown like
+            Lightning's own messages) and to the Trainer's loggers.
         progress_bar: Show the factor (``accum``) and global batch in the progress bar.
 
     Raises:
@@ -240,17 +239,22 @@ class AccumulationScheduler(Callback):
             # start from Lightning's step count
             self.steps, self.samples, self._pos = trainer.global_step, 0, 0
             self._announced = None
-            if trainer.global_step and trainer.is_global_zero:
-                log.info(
-                    f"lplugins: the checkpoint holds no accumulation-scheduler state; {self.schedule!r} continues "
-                    f"from optimizer step {trainer.global_step} (samples counted from 0)."
+            if trainer.global_step:
+                announce(
+                    "lplugins: the checkpoint holds no accumulation-scheduler state; %r continues from optimizer "
+                    "step %d (samples counted from 0).",
+                    self.schedule,
+                    trainer.global_step,
                 )
         if self._loaded_world_size is not None and self._loaded_world_size != world:
-            if trainer.is_global_zero:
-                log.info(
-                    f"lplugins: world size changed from {self._loaded_world_size} to {world} since the checkpoint; "
-                    f"the accumulation factor of {self.schedule!r} is re-derived for {world} processes."
-                )
+            announce(
+                "lplugins: world size changed from %d to %d since the checkpoint; the accumulation factor of %r is "
+                "re-derived for %d processes.",
+                self._loaded_world_size,
+                world,
+                self.schedule,
+                world,
+            )
             self._pos = 0  # the open window (whose gradients the checkpoint does not hold) starts afresh
         self._world_size = world
         self._micro = self._resolve_micro(trainer)
@@ -260,6 +264,15 @@ class AccumulationScheduler(Callback):
                 self._factor_now(trainer)  # fail now, not at the first window
         if self._pos > 0:
             self._require_driver().apply_factor(trainer, self._k)
+            self._announced = self._k
+            if self.log_changes:  # resumed inside a window: say what applies until it closes
+                announce(
+                    "lplugins: gradient accumulation (%r): resuming inside a window of %d micro-batches per "
+                    "optimizer step (%d already accumulated before the checkpoint).",
+                    self.schedule,
+                    self._k,
+                    self._pos,
+                )
 
     @override
     def on_train_batch_start(
@@ -407,19 +420,26 @@ class AccumulationScheduler(Callback):
             ) from exc
 
     def _announce(self, trainer: pl.Trainer, k: int) -> None:
-        self._announced = k
+        previous, self._announced = self._announced, k
         gbs = self.global_batch_size
         if self.progress_bar:  # written once per change, not logged per step (see set_progress_bar_values)
             shown = {PBAR_FACTOR: k} if gbs is None else {PBAR_FACTOR: k, PBAR_GLOBAL_BATCH: gbs}
             _lightning.set_progress_bar_values(trainer, shown)
-        if not self.log_changes or not trainer.is_global_zero:
+        if not self.log_changes:
             return
-        where = f"optimizer step {self.steps}, epoch {trainer.current_epoch}"
-        log.info(
-            f"lplugins: gradient accumulation {k} micro-batch(es) per step"
-            + (f", effective global batch {gbs}" if gbs is not None else "")
-            + f" (from {where})"
+        first = previous is None
+        announce(
+            "lplugins: gradient accumulation %s%d micro-batch(es) per optimizer step%s (from optimizer step %d, "
+            "epoch %d)%s",
+            f"per {self.schedule!r}: " if first else "now ",
+            k,
+            "" if gbs is None else f", effective global batch {gbs}",
+            self.steps,
+            trainer.current_epoch,
+            "" if first else f"; was {previous}",
         )
+        if not trainer.is_global_zero:
+            return
         metrics = {METRIC_FACTOR: float(k)}
         if gbs is not None:
             metrics[METRIC_GLOBAL_BATCH] = float(gbs)

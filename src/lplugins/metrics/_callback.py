@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lplugins._errors import LPluginsError
 from lplugins._validate import positive_int
+from lplugins.metrics._logits import LogitsMode, LogitsPolicy, transform_of
 from lplugins.metrics._window import window_length
 
 #: The stages a MetricsCallback can watch.
@@ -104,7 +105,13 @@ def flatten_values(values: Mapping[str, Any]) -> dict[str, float]:
 def _describe(outputs: Any) -> str:
     if isinstance(outputs, Mapping):
         return f"a dict with keys {sorted(map(str, outputs))}"
-    return f"{type(outputs).__name__}"
+    if outputs is None:
+        return "nothing (None)"
+    return f"a {type(outputs).__name__}"
+
+
+#: The LightningModule method behind each stage (named in contract errors).
+_STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_step"}
 
 
 class MetricsCallback(Callback):
@@ -115,6 +122,16 @@ class MetricsCallback(Callback):
     (``training_step`` also returns ``"loss"`` as usual), or ``extract(outputs, batch)`` returns
     ``(preds, target)`` from whatever the step returns (and the batch). ``metric.update(preds, target)``
     is called for every batch, on every rank, with that rank's data only -- no collective per step.
+    A step output without those keys is an error naming the step, the keys found and the ``return``
+    line to write.
+
+    **Logits.** ``preds`` may be logits: with ``logits="auto"`` (the default) the callback decides at
+    the first batch of the run, on all ranks together, whether they are logits (a value outside
+    ``[0, 1]``, or multiclass rows that do not sum to 1) and then applies the same transform to every
+    batch -- a sigmoid for Binary*/Multilabel* metrics, a softmax over dim 1 for Multiclass* ones --
+    and says which, once. torchmetrics alone guesses at every ``update()`` and takes a batch of logits
+    that happens to lie inside ``[0, 1]`` as probabilities. ``logits=True`` always applies the
+    transform, ``logits=False`` never does. Labels (integer ``preds``) pass unchanged.
 
     **When values are logged.** Training metrics accumulate over a window of ``log_every_n_steps``
     training batches (default: the Trainer's ``log_every_n_steps``), and over the rest of the epoch
@@ -143,10 +160,15 @@ class MetricsCallback(Callback):
         target_key: The key of the targets in the step's output dict.
         log_every_n_steps: Training window, in batches; ``None`` uses ``Trainer(log_every_n_steps=...)``.
         prefix: Put in front of each metric name; ``{stage}`` is replaced by the stage name.
+        logits: ``"auto"``: decide at the first batch whether ``preds`` are logits, then treat every
+            batch the same; ``True``: the steps return logits (sigmoid or softmax applied to every
+            batch); ``False``: pass ``preds`` to the metrics as they are.
 
     Raises:
-        LPluginsError: ``metrics``, ``stages``, ``log_every_n_steps`` or ``prefix`` is not allowed (at
-            construction), or a step's output does not follow the contract (at its first batch).
+        LPluginsError: ``metrics``, ``stages``, ``log_every_n_steps``, ``prefix``, the keys or
+            ``logits`` is not allowed (at construction: ``logits=True`` needs torchmetrics
+            classification metrics of one kind); a step's output does not follow the contract, or
+            ``logits="auto"`` took ``preds`` as probabilities and a later batch holds logits (at that batch).
 
     Example::
 
@@ -159,7 +181,7 @@ class MetricsCallback(Callback):
                 x, y = batch
                 logits = self(x)
                 loss = F.cross_entropy(logits, y)
-                return {"loss": loss, "preds": logits.softmax(-1).detach(), "target": y}  # probabilities
+                return {"loss": loss, "preds": logits, "target": y}  # logits="auto" applies the softmax
 
         metrics = {"acc": torchmetrics.classification.MulticlassAccuracy(num_classes=10)}
         trainer = Trainer(callbacks=[MetricsCallback(metrics)])
@@ -175,6 +197,7 @@ class MetricsCallback(Callback):
         target_key: str = "target",
         log_every_n_steps: int | None = None,
         prefix: str = "{stage}/",
+        logits: LogitsMode = "auto",
     ) -> None:
         super().__init__()
         collection = _as_collection(metrics)
@@ -193,6 +216,13 @@ class MetricsCallback(Callback):
             raise LPluginsError(
                 f"MetricsCallback(extract={extract!r}): give a callable (outputs, batch) -> (preds, target)."
             )
+        for key_name, key in (("preds_key", preds_key), ("target_key", target_key)):
+            if not isinstance(key, str) or not key:
+                raise LPluginsError(
+                    f"MetricsCallback({key_name}={key!r}): give the (non-empty) key of the step's dict."
+                )
+        #: How preds reach the metrics (``logits=``): the transform, and once decided, whether it applies.
+        self.logits_policy = LogitsPolicy(logits, transform_of(collection, logits))
         self.stages = tuple(dict.fromkeys(stages))
         self.extract = extract
         self.preds_key = preds_key
@@ -214,23 +244,43 @@ class MetricsCallback(Callback):
             collection.to(pl_module.device)
             collection.reset()
 
-    def _update(self, stage: str, outputs: Any, batch: Any) -> None:
+    def _update(self, stage: str, trainer: Trainer, outputs: Any, batch: Any) -> None:
         if self.extract is not None:
-            preds, target = self.extract(outputs, batch)
+            pair = self.extract(outputs, batch)
+            if not isinstance(pair, Sequence) or isinstance(pair, str) or len(pair) != 2:
+                raise LPluginsError(
+                    f"MetricsCallback(extract=...) returned {_describe(pair)} for the {stage} step; it must return "
+                    f"a pair (preds, target)."
+                )
+            preds, target = pair
         elif isinstance(outputs, Mapping) and self.preds_key in outputs and self.target_key in outputs:
             preds, target = outputs[self.preds_key], outputs[self.target_key]
         else:
-            raise LPluginsError(
-                f"MetricsCallback: the {stage} step returned {_describe(outputs)}; return a dict with "
-                f"{self.preds_key!r} and {self.target_key!r} from it, or pass "
-                f"MetricsCallback(extract=lambda outputs, batch: (preds, target))."
-            )
+            raise LPluginsError(self._contract_error(stage, outputs))
         if isinstance(preds, torch.Tensor):
             preds = preds.detach()
         if isinstance(target, torch.Tensor):
             target = target.detach()
-        self.collections[stage].update(preds, target)
+        self.collections[stage].update(self.logits_policy(stage, preds, target, trainer), target)
         self._pending[stage] = True
+
+    def _contract_error(self, stage: str, outputs: Any) -> str:
+        method = _STEP_OF[stage]
+        missing = ""
+        if isinstance(outputs, Mapping):
+            missing = f" (no {', '.join(repr(k) for k in (self.preds_key, self.target_key) if k not in outputs)})"
+        loss = '"loss": loss, ' if stage == "train" else ""
+        policy = self.logits_policy
+        preds = "logits" if policy.transform is not None and policy.mode is not False else "preds"
+        return (
+            f"MetricsCallback feeds its metrics from what each {method} returns, and {method} ({stage} stage) "
+            f"returned {_describe(outputs)}{missing}. End {method} with\n"
+            f'    return {{{loss}"{self.preds_key}": {preds}, "{self.target_key}": y}}\n'
+            f"(tensors are detached for you"
+            + (f"; logits={policy.mode!r} turns logits into probabilities" if preds == "logits" else "")
+            + "), or pass MetricsCallback(extract=lambda outputs, batch: (preds, target)) to read another shape, "
+            f"or stages=[...] without {stage!r}."
+        )
 
     def _emit(self, stage: str, trainer: Trainer) -> None:
         """Compute (a collective: every rank is here), reset, and log once on global rank 0."""
@@ -261,7 +311,7 @@ class MetricsCallback(Callback):
     ) -> None:
         if "train" not in self.collections:
             return
-        self._update("train", outputs, batch)
+        self._update("train", trainer, outputs, batch)
         self._train_batches += 1
         if self._train_batches % window_length(trainer, self.log_every_n_steps) == 0:
             self._emit("train", trainer)
@@ -289,7 +339,7 @@ class MetricsCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         if stage in self.collections and not trainer.sanity_checking:
-            self._update(stage, outputs, batch)
+            self._update(stage, trainer, outputs, batch)
 
     def _eval_end(self, stage: str, trainer: Trainer, pl_module: LightningModule) -> None:
         if stage in self.collections and not trainer.sanity_checking:
