@@ -15,7 +15,16 @@ from lplugins.callbacks._storage import Storage
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-__all__ = ["agree_on_path", "any_rank", "broadcast", "gather", "is_distributed", "reduce_max", "writable_on_every_rank"]
+__all__ = [
+    "agree_on_failure",
+    "agree_on_path",
+    "any_rank",
+    "broadcast",
+    "gather",
+    "is_distributed",
+    "reduce_max",
+    "writable_on_every_rank",
+]
 
 
 def is_distributed(trainer: Trainer) -> bool:
@@ -88,3 +97,26 @@ def writable_on_every_rank(trainer: Trainer, storage: Storage) -> None:
         raise CheckpointDirectoryError(
             f"DurableCheckpoint cannot write to dirpath={storage.dirpath!r} ({details}). Give a writable directory."
         )
+
+
+def agree_on_failure(trainer: Trainer, error: BaseException | None, where: str) -> None:
+    """Every rank learns whether any rank failed at ``where``; if one did, every rank raises.
+
+    A rank that failed raises its own ``error``; the others raise
+    :class:`~lplugins.callbacks.CheckpointWriteError` carrying the failing ranks' real errors (rank and
+    message). Returns on every rank when no rank failed.
+
+    Note:
+        Interim implementation (a gather); to be replaced by an out-of-band agreement that cannot pair
+        with a strategy's own collectives.
+    """
+    from lplugins.callbacks._errors import CheckpointWriteError
+
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    failures = [(rank, t) for rank, t in enumerate(gather(trainer, text)) if t is not None]
+    if not failures:
+        return
+    if error is not None:
+        raise error
+    details = "; ".join(f"rank {rank}: {t}" for rank, t in failures)
+    raise CheckpointWriteError(f"{where} failed on another rank ({details}).")
