@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "agree_on_failure",
     "agree_on_path",
+    "gather_failures",
     "any_rank",
     "broadcast",
     "gather",
@@ -99,6 +100,19 @@ def writable_on_every_rank(trainer: Trainer, storage: Storage) -> None:
         )
 
 
+def gather_failures(trainer: Trainer, error: BaseException | None, where: str) -> list[tuple[int, str]]:
+    """Every rank's failure at ``where``, as ``[(rank, "Type: message"), ...]`` (empty: no rank failed).
+
+    Called by all ranks together; never raises for a failure (the caller decides, e.g. to fall back).
+
+    Note:
+        Interim implementation (a gather); to be replaced by an out-of-band agreement that cannot pair
+        with a strategy's own collectives.
+    """
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    return [(rank, t) for rank, t in enumerate(gather(trainer, text)) if t is not None]
+
+
 def agree_on_failure(trainer: Trainer, error: BaseException | None, where: str) -> None:
     """Every rank learns whether any rank failed at ``where``; if one did, every rank raises.
 
@@ -112,8 +126,7 @@ def agree_on_failure(trainer: Trainer, error: BaseException | None, where: str) 
     """
     from lplugins.callbacks._errors import CheckpointWriteError
 
-    text = None if error is None else f"{type(error).__name__}: {error}"
-    failures = [(rank, t) for rank, t in enumerate(gather(trainer, text)) if t is not None]
+    failures = gather_failures(trainer, error, where)
     if not failures:
         return
     if error is not None:
