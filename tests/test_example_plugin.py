@@ -63,7 +63,7 @@ def test_lightning_cli_accepts_a_plugin_strategy_name(acme_on_path: Path, tmp_pa
 
 def test_cli_list_json_shows_the_plugin(acme_site: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "lplugins.cli", "list", "--json"],
+        [sys.executable, "-m", "lplugins", "list", "--json"],
         env={**os.environ, **_env(acme_site)},
         capture_output=True,
         text=True,
@@ -78,7 +78,7 @@ def test_cli_list_json_shows_the_plugin(acme_site: Path) -> None:
 def test_cli_list_shows_blocked_and_failed(acme_site: Path, tmp_path: Path) -> None:
     env = {**os.environ, **_env(acme_site), "LPLUGINS_DISABLE": "acme"}
     text = subprocess.run(
-        [sys.executable, "-m", "lplugins.cli", "list"], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "lplugins", "list"], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert "acme  [blocked]  external, acme-lplugins 1.2.0" in text
     # a broken installed plugin: strict exits 2 with the named error, --lenient lists it as failed
@@ -88,11 +88,11 @@ def test_cli_list_shows_blocked_and_failed(acme_site: Path, tmp_path: Path) -> N
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[lplugins]\nbroken = broken_plugin_missing.plugin\n")
     env = {**os.environ, **_env(broken)}
-    strict = subprocess.run([sys.executable, "-m", "lplugins.cli", "list"], env=env, capture_output=True, text=True)
+    strict = subprocess.run([sys.executable, "-m", "lplugins", "list"], env=env, capture_output=True, text=True)
     assert strict.returncode == 2
     assert 'plugin "broken" (broken-plugin 0.1, entry point "broken = broken_plugin_missing.plugin")' in strict.stderr
     lenient = subprocess.run(
-        [sys.executable, "-m", "lplugins.cli", "list", "--json", "--lenient"],
+        [sys.executable, "-m", "lplugins", "list", "--json", "--lenient"],
         env=env,
         capture_output=True,
         text=True,

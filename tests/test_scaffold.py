@@ -18,7 +18,7 @@ from lplugins._scaffold import scaffold
 def test_scaffolded_plugin_installs_and_is_discovered(tmp_path: Path) -> None:
     pkg = tmp_path / "widget-lplugins"
     out = subprocess.run(
-        [sys.executable, "-m", "lplugins.cli", "new-plugin", "widget-lplugins", "--dir", str(pkg)],
+        [sys.executable, "-m", "lplugins", "new-plugin", "widget-lplugins", "--dir", str(pkg)],
         capture_output=True,
         text=True,
         check=True,
@@ -32,7 +32,7 @@ def test_scaffolded_plugin_installs_and_is_discovered(tmp_path: Path) -> None:
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     listing = subprocess.run(
-        [sys.executable, "-m", "lplugins.cli", "list", "--json"], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "lplugins", "list", "--json"], env=env, capture_output=True, text=True, check=True
     ).stdout
     plugins = {p["name"]: p for p in json.loads(listing)["plugins"]}
     assert plugins["widget"]["distribution"] == "widget-lplugins"

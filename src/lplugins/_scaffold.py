@@ -40,11 +40,14 @@ def _files(dist: str, package: str, plugin: str) -> dict[str, str]:
         "README.md": f"""\
             # {dist}
 
-            An [lplugins](https://pypi.org/project/lplugins/) plugin. Installing it registers, under the
+            An lplugins plugin. Installing it registers, under the
             plugin name `{plugin}`:
 
             * the strategy `{prefix}_ddp` (DDP over gloo);
             * the callback `{prefix}_hello` (prints one line on global rank 0 when fit starts).
+
+            It depends on `lplugins`, which is not on PyPI yet: install lplugins first (see its getting
+            started page: from a clone, a git URL or a wheel), then this package finds it installed.
 
             ```bash
             pip install -e .

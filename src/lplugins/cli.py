@@ -42,10 +42,23 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (the package's own when run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lplugins")
+    except PackageNotFoundError:  # pragma: no cover - a source tree on sys.path without an install
+        import lplugins
+
+        return lplugins.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lplugins`` command."""
     parser = argparse.ArgumentParser(prog="lplugins", description="pytest-style plugins for PyTorch Lightning.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"lplugins {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_list = sub.add_parser(
         "list",
         help="list plugins and what they registered",
@@ -73,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``lplugins`` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `lplugins`: what it can do, like `git` or `pip`
+        parser.print_help()
+        return 0
     try:
         return int(args.func(args))
     except Exception as exc:  # a clean message for the CLI; the traceback is for Python callers
@@ -82,7 +98,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lplugins: error: {exc}", file=sys.stderr)
             return 2
         raise
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
