@@ -98,6 +98,7 @@ def _build(args: argparse.Namespace, out: Path) -> tuple[Any, Any, Any, dict[str
     from torch.utils.data import DataLoader, TensorDataset
 
     import lplugins
+    from lplugins import _lightning
     from lplugins.accumulation import AccumulationScheduler
     from lplugins.precision._auto import choose_precision, probe_capabilities
 
@@ -183,12 +184,18 @@ def _build(args: argparse.Namespace, out: Path) -> tuple[Any, Any, Any, dict[str
         enable_model_summary=False,
     )
     info = {"precision": chosen, "precision_reason": reason, "loggers": [type(lg).__name__ for lg in loggers]}
-    return pl.Trainer(**kwargs), SpiralClassifier(), (train, val), info
+    # Lightning's advertisement for its cloud logger is not the demo's business (its own words, exactly)
+    unhide = _lightning.hide_lightning_info(_lightning.LITLOGGER_TIP)
+    try:
+        trainer = pl.Trainer(**kwargs)
+    finally:
+        unhide()
+    return trainer, SpiralClassifier(), (train, val), info
 
 
-def plot(metrics_csvs: list[Path], png: Path) -> bool:
+def plot(metrics_csvs: list[Path], png: Path, title: str = "lplugins demo") -> bool:
     """Plot loss, accuracy and accumulation factor from the CSV logs of every run (the first run and
-    its resumes); ``False`` without matplotlib."""
+    its resumes) under ``title``; ``False`` without matplotlib."""
     try:
         import matplotlib
 
@@ -198,18 +205,19 @@ def plot(metrics_csvs: list[Path], png: Path) -> bool:
         return False
     rows = [row for path in metrics_csvs for row in csv.DictReader(path.open())]
     fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
-    for ax, keys, title in (
-        (axes[0], ("train/loss", "val/loss"), "loss"),
-        (axes[1], ("train/acc", "val/acc"), "accuracy (torchmetrics, synced across ranks)"),
-        (axes[2], ("demo/accumulation_factor",), "accumulation factor"),
+    for ax, keys, label in (
+        (axes[0], ("train/loss", "val/loss"), "cross-entropy loss"),
+        (axes[1], ("train/acc", "val/acc"), "accuracy (synced)"),
+        (axes[2], ("demo/accumulation_factor",), "micro-batches / step"),
     ):
         for key in keys:
             pts = [(int(r["step"]), float(r[key])) for r in rows if r.get(key)]
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=key, drawstyle="steps-post" if "factor" in key else "default")
-        ax.set_title(title)
+        ax.set_ylabel(label)
         ax.legend(loc="best")
     axes[2].set_xlabel("optimizer step")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=80)
     plt.close(fig)
@@ -282,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
     metrics_csv = Path(trainer.loggers[0].log_dir) / "metrics.csv"
     runs = sorted((out / "logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
     png = out / "demo.png"
-    plotted = plot(runs, png)
+    plotted = plot(
+        runs, png, f"lplugins demo: {args.strategy} ({type(trainer.strategy).__name__}), precision {info['precision']}"
+    )
     val_acc = trainer.callback_metrics.get("val/acc")
     latest = latest_checkpoint(out / "checkpoints")
     lines = [
@@ -294,8 +304,10 @@ def run(args: argparse.Namespace) -> int:
         f"  schedule:    {args.schedule}",
         f"  steps:       {trainer.global_step} optimizer steps, {trainer.current_epoch} epochs",
         f"  val/acc:     {float(val_acc):.3f}" if val_acc is not None else "  val/acc:     (not computed)",
-        f"  logs:        {metrics_csv}"
-        + (f" and {out / 'tensorboard'}" if "TensorBoardLogger" in info["loggers"] else ""),
+        f"  logs:        {metrics_csv}",
+        f"  tensorboard: tensorboard --logdir {out / 'tensorboard'}"
+        if "TensorBoardLogger" in info["loggers"]
+        else "  tensorboard: not installed (pip install tensorboard, or the demo extra)",
         f"  checkpoints: {out / 'checkpoints'} (latest valid: {Path(latest).name if latest else 'none'})",
         f"  plot:        {png}" if plotted else "  plot:        skipped (pip install matplotlib for a PNG plot)",
         f"  resume with: lplugins demo --resume --out {args.out} --epochs {args.epochs + 2}",

@@ -233,6 +233,14 @@ def trainer_being_built(depth: int = 16) -> pl.Trainer | None:
 _LIGHTNING_INFO_LOGGER = "lightning.pytorch.utilities.rank_zero"
 
 
+#: Lightning's tip printed by every ``Trainer()`` (2.6.x); the demo keeps it off its output.
+LITLOGGER_TIP = (
+    "💡 Tip: For seamless cloud logging and experiment tracking,"
+    " try installing [litlogger](https://pypi.org/project/litlogger/) to enable LitLogger,"
+    " which logs metrics and artifacts automatically to the Lightning Experiments platform."
+)
+
+
 def hide_lightning_info(message: str) -> Callable[[], None]:
     """Keep Lightning from logging exactly ``message`` (a filter on its logger); returns the undo."""
     import logging
