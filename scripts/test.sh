@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export NO_MKDOCS_2_WARNING=1  # mkdocs-material's end-of-life banner on every build
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

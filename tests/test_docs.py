@@ -164,3 +164,55 @@ def test_import_arrows_point_down() -> None:
             if area == "_builtins" and module_level and to not in ("hookspecs", *FOUNDATION):
                 wrong.append(f"{rel} (a built-in) imports {target} at module level: import it inside the factory")
     assert not wrong, "imports against the arrows of docs/architecture.md:\n  " + "\n  ".join(wrong)
+
+
+#: Each API reference page and the module it documents (mkdocs.yml's "API reference").
+REFERENCE = {
+    "lplugins": "lplugins",
+    "hookspecs": "lplugins.hookspecs",
+    "callbacks": "lplugins.callbacks",
+    "strategies": "lplugins.strategies",
+    "accumulation": "lplugins.accumulation",
+    "precision": "lplugins.precision",
+    "metrics": "lplugins.metrics",
+    "rankzero": "lplugins.rankzero",
+    "testing": "lplugins.testing",
+    "lightning_cli": "lplugins.lightning_cli",
+}
+
+
+def _public_names(module_name: str) -> list[str]:
+    import importlib
+
+    module = importlib.import_module(module_name)
+    names = getattr(module, "__all__", None)
+    if names is not None:
+        return list(names)
+    # no __all__: the module's own public functions and classes (hookspecs' hooks, testing's fixtures)
+    return [
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(obj) or inspect.isclass(obj))
+        and getattr(obj, "__module__", None) == module_name
+    ]
+
+
+@pytest.mark.slow
+def test_api_reference_documents_every_public_name(tmp_path: Path) -> None:
+    """The strict docs build renders every name of every public module's ``__all__`` in its reference page."""
+    root = DOCS.parent
+    pages = {p.stem for p in (DOCS / "reference").glob("*.md")}
+    assert pages == set(REFERENCE), "docs/reference/ and REFERENCE must list the same modules"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    subprocess.run(
+        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(tmp_path)],
+        cwd=root, env=env, check=True, timeout=240,
+    )  # fmt: skip
+    missing = []
+    for page, module_name in REFERENCE.items():
+        html = (tmp_path / "reference" / page / "index.html").read_text()
+        anchors = set(re.findall(r'id="([^"]+)"', html))
+        missing += [f"{module_name}.{n}" for n in _public_names(module_name) if f"{module_name}.{n}" not in anchors]
+    assert not missing, f"not in the API reference (give each a docstring): {missing}"

@@ -23,6 +23,7 @@ from lplugins._registry import Component
 from lplugins.hookspecs import hookimpl
 
 __version__ = "0.1.0"
+"""The package version (``lplugins --version`` prints the installed distribution's)."""
 
 _exit.install()  # a gloo process group left initialized must not abort the process at exit
 _log.configure()  # lplugins' decisions reach the terminal as Lightning's own messages do

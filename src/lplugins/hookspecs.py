@@ -34,6 +34,7 @@ PROJECT_NAME = "lplugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Marks a plugin's function as a hook implementation: ``@lplugins.hookimpl`` (optional for ``lplugins_*`` names)."""
 
 
 # ---------------------------------------------------------------------------- register callables

@@ -19,6 +19,7 @@ from lplugins.metrics._window import window_length
 
 #: The stages a MetricsCallback can watch.
 STAGES: tuple[str, ...] = ("train", "val", "test")
+"""The stages a ``MetricsCallback`` can watch."""
 
 Extract = Callable[[Any, Any], tuple[Any, Any]]
 MetricsSpec = Metric | MetricCollection | Mapping[str, Any]

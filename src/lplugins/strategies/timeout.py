@@ -22,6 +22,7 @@ ENV_VAR = "LPLUGINS_PG_TIMEOUT"
 
 #: The timeout used when neither the argument nor the environment variable is given (Lightning's default).
 DEFAULT_PG_TIMEOUT = timedelta(minutes=30)
+"""The process-group timeout when neither the argument nor the environment variable is given (Lightning's)."""
 
 _IGNORED_VARS = ("NCCL_TIMEOUT",)
 
