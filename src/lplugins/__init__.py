@@ -9,7 +9,7 @@ callbacks to a Trainer you already have.
 from __future__ import annotations
 
 from lplugins import _exit, _log
-from lplugins._compose import attach, compose
+from lplugins._compose import attach, compose, compose_trainer
 from lplugins._errors import (
     BlockedNameError,
     CompositionError,
@@ -42,6 +42,7 @@ __all__ = [
     "__version__",
     "attach",
     "compose",
+    "compose_trainer",
     "get_manager",
     "hookimpl",
     "load",

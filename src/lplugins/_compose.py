@@ -123,6 +123,52 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
     return out
 
 
+def compose_trainer(
+    *, manager: PluginManager | None = None, cpu_bf16: bool = False, **trainer_kwargs: Any
+) -> Trainer:
+    """``Trainer(**compose(**trainer_kwargs))`` in one call: the ``_target_`` for a config system.
+
+    With Hydra, set ``_target_: lplugins.compose_trainer`` where a config says
+    ``_target_: lightning.pytorch.Trainer``; ``hydra.utils.instantiate(cfg.trainer, callbacks=...)``
+    then accepts lplugins names (strategies, precisions, schedules, ``{"name": ..., **params}``
+    callbacks). OmegaConf containers (what Hydra passes without ``_convert_``) are turned into plain
+    dicts and lists first.
+
+    Args:
+        manager: As for :func:`compose`.
+        cpu_bf16: As for :func:`compose`.
+        **trainer_kwargs: ``Trainer`` keyword arguments; names as :func:`compose` accepts them.
+
+    Returns:
+        A stock ``lightning.pytorch.Trainer``.
+
+    Raises:
+        LPluginsError: as :func:`compose` (an unknown name, a bad parameter, a pair that does not fit).
+
+    Example:
+        >>> import lplugins
+        >>> trainer = lplugins.compose_trainer(
+        ...     accelerator="cpu", precision="auto", max_steps=1, logger=False, enable_progress_bar=False,
+        ...     enable_model_summary=False,
+        ... )
+        >>> type(trainer).__name__, trainer.precision
+        ('Trainer', '32-true')
+    """
+    from lightning.pytorch import Trainer
+
+    plain = {key: _plain_container(value) for key, value in trainer_kwargs.items()}
+    return Trainer(**compose(manager=manager, cpu_bf16=cpu_bf16, **plain))
+
+
+def _plain_container(value: Any) -> Any:
+    """An OmegaConf ``DictConfig``/``ListConfig`` as plain dicts and lists (resolved); anything else unchanged."""
+    if type(value).__module__.split(".")[0] != "omegaconf":
+        return value
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True)
+
+
 def attach(
     trainer: Trainer, *callbacks: Callback | str | Mapping[str, Any], manager: PluginManager | None = None
 ) -> list[Callback]:
