@@ -11,7 +11,12 @@ Measures, as ratios:
   next optimizer step) vs the sync save's stall, in real training (goal <= 0.1x); and the end-to-end
   extra fit time per save of both;
 * per-step time on steps without a save vs the same Trainer with stock ``ModelCheckpoint`` (goal <= 1.02x;
-  the fastest of ``--reps`` interleaved runs of each).
+  the fastest of ``--reps`` interleaved runs of each);
+* resume: loading the newest checkpoint through ``ckpt_path="latest"`` with every byte verified against
+  its CRC32 on a second thread (the default) vs the same ``torch.load(weights_only=True)`` unverified
+  (goal <= 1.1x), and ``verify="deep"`` (checked before loading) for reference;
+* a directory checkpoint's per-file CRC32s computed at commit (the checkpoint saved as three files, as a
+  sharded strategy writes it) vs writing those files.
 
 Usage::
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -39,6 +45,110 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lplugins.callbacks import DurableCheckpoint
+from lplugins.callbacks._resume import LatestResolver, load_weights_only
+from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._verify import hash_threads
+from lplugins.callbacks._writer import tree_crc32s
+
+
+def resume_times(trainer: Trainer, dirpath: str, reps: int) -> dict[str, float]:
+    """Median seconds of loading the newest checkpoint in ``dirpath``: verified (default), unverified, deep.
+
+    The same file each time, so all three read it from the page cache (as a resume right after the save
+    does); the order alternates. "Verified" is the whole ``"latest"`` path (markers, size and archive
+    check, the CRC32 thread, the cross-check); "unverified" is only the load it wraps.
+    """
+    io = trainer.strategy.checkpoint_io
+    inner = io.inner  # type: ignore[attr-defined]
+    path = open_storage(dirpath).path(open_storage(dirpath).find_committed()[-1].name)
+    deep = LatestResolver(trainer, dirpath, deep=True)
+    runs: dict[str, Any] = {
+        "verified": lambda: io.load_checkpoint("latest"),
+        "unverified": lambda: load_weights_only(inner, path),
+        "deep": lambda: deep.load("latest", lambda p: load_weights_only(inner, p)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    quiet = logging.getLogger("lplugins")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        runs["unverified"]()  # the page cache warm for all
+        order = list(runs)
+        for rep in range(reps):
+            for name in order if rep % 2 == 0 else order[::-1]:
+                start = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        quiet.setLevel(level)
+    return {**{k: statistics.median(v) for k, v in times.items()}, **{f"{k}_min": min(v) for k, v in times.items()}}
+
+
+def resume_fit_times(width: int, depth: int, dirpath: str, root: str, reps: int) -> dict[str, float]:
+    """Median seconds of a whole ``trainer.fit(model, ckpt_path="latest")`` that resumes and runs one step.
+
+    "verified": the newest checkpoint in ``dirpath`` as committed; "unverified": the same bytes under a
+    marker without checksums (as ``crc32=False`` writes for a directory checkpoint, the one case a resume
+    cannot verify), in a copy of the directory. Trainer construction, setup, restore and the step included.
+    """
+    storage = open_storage(dirpath)
+    record = storage.find_committed()[-1]
+    plain = os.path.join(root, "unverified")
+    os.makedirs(plain, exist_ok=True)
+    shutil.copyfile(storage.path(record.name), os.path.join(plain, record.name))
+    record.crc32, record.zip_crc = None, False
+    open_storage(plain).commit(record)
+    quiet = logging.getLogger("lplugins")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+
+    def fit(d: str) -> float:
+        model = Model(width, depth)
+        trainer = trainer_with(
+            DurableCheckpoint(d, every_n_steps=10**9, keep_last=None, save_on_train_end=False),
+            max_steps=record.global_step + 1,
+        )
+        start = time.perf_counter()
+        trainer.fit(model, data(width, 8), ckpt_path="latest")
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {"verified": [], "unverified": []}
+    try:
+        for rep in range(reps):
+            for name in ("verified", "unverified") if rep % 2 == 0 else ("unverified", "verified"):
+                times[name].append(fit(dirpath if name == "verified" else plain))
+    finally:
+        quiet.setLevel(level)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def dir_crc_cost(checkpoint: dict[str, Any], root: str, reps: int) -> tuple[float, float]:
+    """(seconds to write ``checkpoint`` as three fsync-ed files, seconds for their CRC32s at commit): medians."""
+    moments = checkpoint["optimizer_states"][0]["state"]  # Adam's, split as two ranks' shards
+    keys = sorted(moments)
+    parts = {
+        "model_states.pt": checkpoint["state_dict"],
+        "optim_rank0.pt": {k: moments[k] for k in keys[: len(keys) // 2]},
+        "optim_rank1.pt": {k: moments[k] for k in keys[len(keys) // 2 :]},
+    }
+    storage = open_storage(root)
+    writes, crcs = [], []
+    for rep in range(reps):
+        name = f"dirckpt{rep}"
+        os.makedirs(os.path.join(root, name))
+        start = time.perf_counter()
+        for file, obj in parts.items():
+            target = os.path.join(root, name, file)
+            torch.save(obj, target)
+            fd = os.open(target, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        writes.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        tree_crc32s(storage, name, list(parts))
+        crcs.append(time.perf_counter() - start)
+        shutil.rmtree(os.path.join(root, name))
+    return statistics.median(writes), statistics.median(crcs)
 
 
 class Model(LightningModule):
@@ -79,6 +189,74 @@ def dd_bandwidth(directory: str, nbytes: int) -> float:
     return count * (1 << 20) / elapsed
 
 
+def resume_figures(resume: dict[str, float], dir_write_s: float, dir_crc_s: float) -> dict[str, float]:
+    """The resume and directory-CRC figures (the medians, and the ratio of the fastest runs)."""
+    return {
+        "resume_unverified_s": round(resume["unverified"], 4),
+        "resume_verified_s": round(resume["verified"], 4),
+        "resume_verified_vs_unverified_ratio": round(resume["verified"] / resume["unverified"], 3),
+        "resume_fastest_verified_vs_unverified_ratio": round(resume["verified_min"] / resume["unverified_min"], 3),
+        "resume_deep_s": round(resume["deep"], 4),
+        "resume_deep_vs_unverified_ratio": round(resume["deep"] / resume["unverified"], 3),
+        "dir_write_s": round(dir_write_s, 4),
+        "dir_crc_at_commit_s": round(dir_crc_s, 4),
+        "dir_crc_vs_write_ratio": round(dir_crc_s / dir_write_s, 3),
+    }
+
+
+def fit_figures(fits: dict[str, float]) -> dict[str, float]:
+    """The whole-fit resume figures."""
+    return {
+        "resume_fit_unverified_s": round(fits["unverified"], 4),
+        "resume_fit_verified_s": round(fits["verified"], 4),
+        "resume_fit_verified_vs_unverified_ratio": round(fits["verified"] / fits["unverified"], 3),
+    }
+
+
+def print_resume(result: dict[str, Any]) -> None:
+    print(
+        f"  resume (load of the newest, page cache warm): verified while loading {result['resume_verified_s']:.3f}s"
+        f" vs unverified {result['resume_unverified_s']:.3f}s -> {result['resume_verified_vs_unverified_ratio']}x"
+        f" (goal <= 1.1; fastest runs {result['resume_fastest_verified_vs_unverified_ratio']}x);"
+        f" verify='deep' (before loading) {result['resume_deep_s']:.3f}s"
+        f" -> {result['resume_deep_vs_unverified_ratio']}x"
+    )
+    if "resume_fit_verified_s" in result:
+        print(
+            f"  whole resume, fit(ckpt_path='latest') + 1 step: verified {result['resume_fit_verified_s']:.3f}s vs"
+            f" unverified {result['resume_fit_unverified_s']:.3f}s"
+            f" -> {result['resume_fit_verified_vs_unverified_ratio']}x"
+        )
+    print(
+        f"  directory checkpoint (3 files): CRC32s at commit {result['dir_crc_at_commit_s']:.3f}s vs writing them"
+        f" {result['dir_write_s']:.3f}s -> +{result['dir_crc_vs_write_ratio']}x"
+    )
+
+
+def resume_only(root: str, width: int, depth: int, reps: int) -> None:
+    """``--resume-only``: one checkpoint, then the resume and directory-CRC figures."""
+    durable = DurableCheckpoint(os.path.join(root, "durable"), keep_last=1, save_on_train_end=False)
+    trainer = trainer_with(durable, max_steps=1)
+    model = Model(width, depth)
+    trainer.fit(model, data(width, 8))
+    durable.setup(trainer, model, "fit")
+    durable._save(trainer, "bench")
+    resume = resume_times(trainer, durable.dirpath or "", reps)
+    write_s, crc_s = dir_crc_cost(torch.load(durable.committed[-1], weights_only=True), root, max(3, reps // 3))
+    durable.teardown(trainer, model, "fit")
+    fits = resume_fit_times(width, depth, durable.dirpath or "", root, max(3, reps // 3))
+    result: dict[str, Any] = {
+        "checkpoint_mb": round(os.path.getsize(durable.committed[-1]) / 1e6, 1),
+        **resume_figures(resume, write_s, crc_s),
+        **fit_figures(fits),
+        "hash_threads": hash_threads(),
+        "reps": reps,
+    }
+    print(f"checkpoint {result['checkpoint_mb']} MB, median of {reps} loads:")
+    print_resume(result)
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
@@ -88,12 +266,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="steps for the per-step overhead run")
     parser.add_argument("--train-steps", type=int, default=100, help="steps of each fit of the async-stall runs")
     parser.add_argument("--save-every", type=int, default=10, help="save interval (steps) of the async-stall runs")
+    parser.add_argument("--resume-only", action="store_true", help="only the resume and directory-CRC figures")
     args = parser.parse_args()
     torch.manual_seed(0)
     root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
     # parameters + 2 Adam moments, fp32: 12 bytes per parameter
     width = 512
     depth = max(1, int(args.mb * 1e6 / 12 / (width * width + width)))
+    if args.resume_only:
+        try:
+            resume_only(root, width, depth, args.save_reps)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     try:
         # ---------------------------------------------------------------- save time, same trainer
         durable = DurableCheckpoint(os.path.join(root, "durable"), keep_last=1, save_on_train_end=False)
@@ -127,7 +312,14 @@ def main() -> None:
             sizes.append(os.path.getsize(durable.committed[-1]))
             dd_rates.append(dd_bandwidth(root, sizes[-1]))
         size = statistics.median(sizes)
+
+        # ---------------------------------------------------------------- resume: verified vs not
+        resume = resume_times(trainer, durable.dirpath or "", args.save_reps)
+        dir_write_s, dir_crc_s = dir_crc_cost(
+            torch.load(durable.committed[-1], weights_only=True), root, max(3, args.save_reps // 3)
+        )
         durable.teardown(trainer, model, "fit")
+        fits = resume_fit_times(width, depth, durable.dirpath or "", root, max(3, args.save_reps // 3))
         no_crc.teardown(trainer, model, "fit")
         stock_s, durable_s, no_crc_s, dd_bps = (
             statistics.median(v) for v in (stock_times, durable_times, no_crc_times, dd_rates)
@@ -229,6 +421,9 @@ def main() -> None:
         "stock_hook_us_per_step": round(stock_hook * 1e6, 1),
         "durable_hook_us_per_step": round(durable_hook * 1e6, 1),
         "durable_vs_stock_step_ratio_from_hooks": round((stock_step - stock_hook + durable_hook) / stock_step, 4),
+        **resume_figures(resume, dir_write_s, dir_crc_s),
+        **fit_figures(fits),
+        "hash_threads": hash_threads(),
         "reps": args.reps,
         "save_reps": args.save_reps,
     }
@@ -260,6 +455,7 @@ def main() -> None:
         f" {result['durable_hook_us_per_step']} us vs stock {result['stock_hook_us_per_step']} us per step"
         f" -> {result['durable_vs_stock_step_ratio_from_hooks']}x"
     )
+    print_resume(result)
     print(json.dumps(result))
 
 

@@ -526,10 +526,12 @@ def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(tmp_path: Path
 
 
 # ---------------------------------------------------------------------------- docs
-def test_docs_examples_run() -> None:
-    """Every ```python block of docs/accumulation.md runs, in order, in one namespace."""
+def test_docs_examples_run(lplugins_manager: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ```python block of docs/accumulation.md runs, in order, in one namespace (with a fresh
+    process-wide manager: the page registers a plugin in-script; from a temporary directory)."""
     import re
 
+    monkeypatch.chdir(tmp_path)
     text = (Path(__file__).resolve().parents[1] / "docs" / "accumulation.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
     assert len(blocks) >= 6
@@ -537,6 +539,7 @@ def test_docs_examples_run() -> None:
     for block in blocks:
         exec(compile(block, "docs/accumulation.md", "exec"), namespace)
     assert namespace["trainer"].global_step == 4  # the last example (manual optimization) trained
+    assert lplugins_manager.plugin("my-schedules").registered == {"schedule": ["halving"]}
 
 
 def test_checkpoint_saved_by_a_callback_that_runs_before_the_scheduler(tmp_path: Path) -> None:

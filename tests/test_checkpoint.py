@@ -165,7 +165,9 @@ def test_leftovers_are_invisible_and_cleaned_at_next_start(tmp_path: Path) -> No
     )
     assert model.steps_run == 1  # resumed at step 4, past the truncated step-7 one
     assert model.resumed_from == str(newest)
-    assert names(tmp_path) == ["step=000000002-epoch=0000.ckpt", "step=000000004-epoch=0000.ckpt"]
+    # uncommitted leftovers removed; the committed but truncated step-7 one moved aside, never deleted
+    assert names(tmp_path) == ["quarantine", "step=000000002-epoch=0000.ckpt", "step=000000004-epoch=0000.ckpt"]
+    assert sorted(os.listdir(tmp_path / "quarantine" / rec.name)) == ["REASON.txt", rec.name, rec.name + ".commit"]
 
 
 def test_latest_with_no_checkpoint_starts_fresh(tmp_path: Path) -> None:
@@ -204,19 +206,28 @@ def test_pickled_code_payload_is_refused_and_never_run(tmp_path: Path, monkeypat
     rec = Record.from_json((ckdir / (good.name + COMMIT_SUFFIX)).read_bytes())
     rec.name, rec.global_step = "step=000000009-epoch=0000.ckpt", 9
     storage.write_durable(rec.name, lambda target: torch.save(evil, target))
-    rec.size = storage.size(rec.name)
+    rec.size, rec.crc32 = storage.size(rec.name), storage.file_crc32(rec.name)  # a forged marker that fits
     storage.commit(rec)
     assert latest_checkpoint(ckdir) == str(ckdir / rec.name)  # structurally fine: it is picked ...
 
+    def trainer() -> Trainer:
+        return Trainer(
+            accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+            callbacks=[DurableCheckpoint(ckdir, every_n_steps=100, save_on_train_end=False)],
+        )  # fmt: skip
+
+    # an explicit path: refused, naming the file and the disallowed type
     model = tiny_model()
-    trainer = Trainer(
-        accelerator="cpu", max_steps=12, logger=False, enable_progress_bar=False,
-        callbacks=[DurableCheckpoint(ckdir, every_n_steps=1)],
-    )  # fmt: skip
-    with pytest.raises(UnsafeCheckpointError, match=r"step=000000009.*nothing in it was executed"):
-        trainer.fit(model, loader(), ckpt_path="latest")  # ... and refused
-    assert not pwned.exists()
+    with pytest.raises(UnsafeCheckpointError, match=r"step=000000009.*holds posix\.system.*nothing in it was executed"):
+        trainer().fit(model, loader(), ckpt_path=str(ckdir / rec.name))
     assert model.steps_run == 0
+    # "latest": refused too, skipped, and the older good checkpoint resumed (it is left in place, not quarantined)
+    model = tiny_model()
+    t = trainer()
+    t.fit(model, loader(), ckpt_path="latest")
+    assert t.ckpt_path == str(good) and model.steps_run == 1
+    assert (ckdir / rec.name).exists()
+    assert not pwned.exists()
 
 
 # ------------------------------------------------------------------------------------------ requests, async, signals

@@ -112,9 +112,10 @@ def test_latest_resume_is_announced_with_path_step_and_why(
     [line] = [m for m in lplugins_lines(caplog_info) if "ckpt_path='latest'" in m]
     assert f"resuming from {expected} (step 2, epoch 0" in line
     assert "newest committed checkpoint" in line
-    # the damaged one was removed at setup, before resolving, and that was said too
-    [removed] = [m for m in lplugins_lines(caplog_info) if "leftover" in m]
-    assert "step=000000004-epoch=0000.ckpt" in removed
+    # the damaged one was moved to the quarantine at setup, before resolving, and that was said too
+    [moved] = [m for m in lplugins_lines(caplog_info) if "quarantine" in m]
+    assert "step=000000004-epoch=0000.ckpt is damaged (size 100 != committed size" in moved
+    assert not any("leftover" in m for m in lplugins_lines(caplog_info))  # it was committed: not a leftover
     messages = [r.getMessage() for r in caplog_info.records]
     assert not any(m.endswith("checkpoint path at latest") for m in messages), messages
 

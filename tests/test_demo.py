@@ -15,7 +15,7 @@ from tests._dist import free_port
 
 def _demo(out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "lplugins.cli", "demo", "--out", str(out), "--samples", "512", *flags]
+    cmd = [sys.executable, "-m", "lplugins", "demo", "--out", str(out), "--samples", "512", *flags]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
 
 
@@ -48,7 +48,7 @@ def test_demo_runs_on_two_processes_and_resumes(tmp_path: Path) -> None:
 
 def test_demo_help_explains_the_flags() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "lplugins.cli", "demo", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "lplugins", "demo", "--help"], capture_output=True, text=True, check=True
     ).stdout
     for flag in ("--devices", "--strategy", "--precision", "--schedule", "--out", "--resume"):
         assert flag in out

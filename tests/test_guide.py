@@ -260,7 +260,9 @@ def test_page_links_only_to_docs_pages() -> None:
         if target.startswith("#"):
             anchor = target[1:]
             headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
-            slugs = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-") for h in headings}
+            # Python-Markdown's toc slugify (what mkdocs renders): drop what is not a word character, space or
+            # hyphen (backticks, colons, parentheses), then join the words with single hyphens
+            slugs = {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in headings}
             assert anchor in slugs, f"link to missing section {target!r}"
             continue
         assert "://" not in target, f"external link {target!r}: link only to pages in docs/"

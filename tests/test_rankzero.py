@@ -307,6 +307,7 @@ def test_docs_examples_run(
         root.setLevel(level)
     messages = [(r.rank, r.getMessage()) for r in caplog.records if r.name in ("docs_example", "data")]
     assert messages == [
+        (0, "logged once per job"),
         (0, "starting"),
         (0, "[rank 0] shard 3 is empty"),
         (0, "[rank 0] loaded my part"),

@@ -123,9 +123,7 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
     return out
 
 
-def compose_trainer(
-    *, manager: PluginManager | None = None, cpu_bf16: bool = False, **trainer_kwargs: Any
-) -> Trainer:
+def compose_trainer(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **trainer_kwargs: Any) -> Trainer:
     """``Trainer(**compose(**trainer_kwargs))`` in one call: the ``_target_`` for a config system.
 
     With Hydra, set ``_target_: lplugins.compose_trainer`` where a config says
@@ -199,6 +197,7 @@ def attach(
     """
     from lightning.pytorch.trainer.states import TrainerStatus
 
+    _arm_watchdog(trainer)  # also where lplugins' callbacks_factory entry point is not installed
     if trainer.state.status == TrainerStatus.RUNNING:
         raise CompositionError(
             "Cannot attach callbacks while the Trainer is running; call lplugins.attach() before trainer.fit()."
@@ -223,6 +222,20 @@ def attach(
     trainer.callbacks = _lightning.reorder_callbacks(existing + new)  # type: ignore[attr-defined]  # set in Trainer()
     _understand_ckpt_path(trainer)
     return new
+
+
+def _arm_watchdog(trainer: Any) -> None:
+    """Arm the collective watchdog for a Trainer of more than one process (``LPLUGINS_COLLECTIVE_TIMEOUT``).
+
+    Raises:
+        LPluginsError: ``LPLUGINS_COLLECTIVE_TIMEOUT`` is not a number of seconds >= 0.
+    """
+    from lplugins import _watchdog
+    from lplugins._env import COLLECTIVE_TIMEOUT, env_seconds
+
+    timeout = env_seconds(COLLECTIVE_TIMEOUT, _watchdog.DEFAULT_TIMEOUT)
+    if getattr(trainer, "world_size", 1) > 1 or timeout == 0:
+        _watchdog.arm(timeout)
 
 
 def _understand_ckpt_path(trainer: Any) -> None:

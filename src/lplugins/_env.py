@@ -1,12 +1,14 @@
 """The ``LPLUGINS_*`` environment variables that control plugin loading, read in one place.
 
-=============================  =====================================================================
-``LPLUGINS_DISABLE_AUTOLOAD``  ``1``: do not load entry-point plugins (an allow-list still does).
-``LPLUGINS_PLUGINS``           ``a,b``: load only these entry-point plugins (plugin or distribution).
-``LPLUGINS_DISABLE``           ``a,b``: block these plugins, built-ins included.
-``LPLUGINS_STRICT``            ``0``: report a failing plugin with a warning instead of raising.
-``LPLUGINS_AUTO_CALLBACKS``    ``1``: zero-code mode (see :mod:`lplugins._factory`).
-=============================  =====================================================================
+===============================  =====================================================================
+``LPLUGINS_DISABLE_AUTOLOAD``    ``1``: do not load entry-point plugins (an allow-list still does).
+``LPLUGINS_PLUGINS``             ``a,b``: load only these entry-point plugins (plugin or distribution).
+``LPLUGINS_DISABLE``             ``a,b``: block these plugins, built-ins included.
+``LPLUGINS_STRICT``              ``0``: report a failing plugin with a warning instead of raising.
+``LPLUGINS_AUTO_CALLBACKS``      ``1``: zero-code mode (see :mod:`lplugins._factory`).
+``LPLUGINS_COLLECTIVE_TIMEOUT``  seconds (default 30): the collective watchdog's bound; ``0``: off
+                                 (see :mod:`lplugins._watchdog`).
+===============================  =====================================================================
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ PLUGINS = "LPLUGINS_PLUGINS"
 DISABLE = "LPLUGINS_DISABLE"
 STRICT = "LPLUGINS_STRICT"
 AUTO_CALLBACKS = "LPLUGINS_AUTO_CALLBACKS"
+COLLECTIVE_TIMEOUT = "LPLUGINS_COLLECTIVE_TIMEOUT"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -42,6 +45,26 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value in _FALSE:
         return False
     raise LPluginsError(f"{name}={raw!r} is not a boolean; use one of 1, true, yes, on, 0, false, no, off.")
+
+
+def env_seconds(name: str, default: float) -> float:
+    """Read a duration in seconds (a number >= 0; ``0`` usually means off).
+
+    Raises:
+        LPluginsError: the value is not a finite number >= 0.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        raise LPluginsError(
+            f"{name}={raw!r} is not a number of seconds; use a number >= 0 (0 turns it off), e.g. {name}={default:g}."
+        )
+    return value
 
 
 def env_list(name: str) -> list[str] | None:

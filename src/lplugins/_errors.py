@@ -128,3 +128,12 @@ class ParameterError(CompositionError, TypeError):
 
     (A ``TypeError`` too, as calling the factory with it would have raised.)
     """
+
+
+class UnsafeCheckpointError(LPluginsError, RuntimeError):
+    """A checkpoint holds objects that a weights-only load refuses; nothing in it was run.
+
+    The message names the file and the disallowed type. Raised by ``DurableCheckpoint``'s loads and by
+    the built-in strategies that load their own files (DeepSpeed, FSDP2); exported as
+    ``lplugins.callbacks.UnsafeCheckpointError``.
+    """

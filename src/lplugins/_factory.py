@@ -7,6 +7,9 @@ reporting (a failing plugin is named; in lenient mode it is skipped with a warni
 Lightning's (one raising factory aborts ``Trainer()`` with a bare traceback). Without the variable,
 the factory returns nothing and costs nothing.
 
+In every ``Trainer()`` for more than one process it also arms the collective watchdog
+(:mod:`lplugins._watchdog`; ``LPLUGINS_COLLECTIVE_TIMEOUT=0`` turns it off), whatever the variable.
+
 Strategy names cannot be added from here (Lightning checks them before this entry point runs):
 call :func:`lplugins.load` before building the Trainer for those.
 """
@@ -32,9 +35,10 @@ def callbacks_factory() -> list[Any]:
     """
     trainer = _lightning.trainer_being_built()
     if trainer is not None:
-        from lplugins._compose import _understand_ckpt_path
+        from lplugins._compose import _arm_watchdog, _understand_ckpt_path
 
         _understand_ckpt_path(trainer)
+        _arm_watchdog(trainer)
     if not env_flag(ENV_VAR):
         return []
     return get_manager().trainer_callbacks({})

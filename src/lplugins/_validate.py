@@ -14,7 +14,7 @@ from typing import Any
 
 from lplugins._errors import LPluginsError
 
-__all__ = ["did_you_mean", "is_int", "positive_int", "positive_number", "suggest"]
+__all__ = ["a_bool", "did_you_mean", "is_int", "positive_int", "positive_number", "suggest"]
 
 
 def is_int(value: object) -> bool:
@@ -113,3 +113,22 @@ def did_you_mean(name: object, choices: Iterable[str]) -> str:
     """
     hint = suggest(name, choices)
     return f" Did you mean {hint!r}?" if hint else ""
+
+
+def a_bool(name: str, value: Any, *, error: type[Exception] = LPluginsError, owner: str | None = None) -> bool:
+    """Return ``value`` if it is a real ``bool``; a string like ``"no"`` or a number is an error, not truthy.
+
+    Raises:
+        LPluginsError: (or ``error``) the value is not a bool; the message names it.
+
+    >>> a_bool("async_save", False)
+    False
+    >>> a_bool("async_save", "no", owner="DurableCheckpoint")
+    Traceback (most recent call last):
+    ...
+    lplugins._errors.LPluginsError: DurableCheckpoint: async_save='no' is not allowed; it must be True or False.
+    """
+    if not isinstance(value, bool):
+        prefix = f"{owner}: " if owner else ""
+        raise error(f"{prefix}{name}={value!r} is not allowed; it must be True or False.")
+    return value

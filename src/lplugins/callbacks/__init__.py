@@ -8,8 +8,10 @@ The package, one concern per module (arrows point down: a module imports only th
 
     checkpoint.py        DurableCheckpoint: the policy -- triggers, retention and top-K, its state, Lightning hooks
     _config.py           CheckpointConfig: the constructor's arguments, checked and frozen
-    _resume.py           LatestResolver: "latest" resolved (and announced) once for both load paths; SafeResumeIO,
-                         latest_checkpoint; understand_ckpt_path: Lightning's "last" and "latest" in fit's parsing
+    _resume.py           LatestResolver: every load for both load paths; "latest" falls back past damaged, disallowed,
+                         inconsistent or unreadable checkpoints (ranks agreeing); SafeResumeIO, latest_checkpoint;
+                         understand_ckpt_path: Lightning's "last" and "latest" in fit's parsing
+    _verify.py           every byte checked against the marker's CRC32s, on a second thread while loading
     _preemption.py       preemption signals caught as a flag; SLURM requeue; PREEMPTED_EXIT_CODE
     _rng.py              capturing and restoring the random number generators
     _async.py            AsyncWriter: CPU snapshots (deferred copies, buffer reuse) written on a background thread
@@ -18,7 +20,8 @@ The package, one concern per module (arrows point down: a module imports only th
     _collective.py       the collectives, through the trainer's strategy; ranks agreeing on a path
     _background.py       BackgroundQueue: one thread running jobs in order, errors kept for the training thread
     _serialization.py    the torch.save stream without torch's per-record CRCs; the storages it writes
-    _storage.py          the Storage protocol (file primitives) and the commit protocol on top; open_storage
+    _storage.py          the Storage protocol (file primitives) and the commit protocol on top; the quarantine;
+                         open_storage
     _storage_local.py    LocalStorage: local paths, fsync at every step
     _storage_fsspec.py   FsspecStorage: fsspec URLs, no fsync
     _stream.py           StreamWriter: direct writes, early write-back, CRC32 off the critical path
@@ -36,6 +39,8 @@ from lplugins.callbacks._errors import (
     CheckpointDirectoryError,
     CheckpointResumeError,
     CheckpointWriteError,
+    DamagedCheckpointError,
+    InconsistentCheckpointError,
     UnsafeCheckpointError,
 )
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE
@@ -49,7 +54,9 @@ __all__ = [
     "CheckpointDirectoryError",
     "CheckpointResumeError",
     "CheckpointWriteError",
+    "DamagedCheckpointError",
     "DurableCheckpoint",
+    "InconsistentCheckpointError",
     "UnsafeCheckpointError",
     "latest_checkpoint",
     "request_checkpoint",

@@ -1,6 +1,12 @@
 """The few collectives checkpointing needs, through the trainer's strategy, and cross-rank agreement on errors.
 
 Every function here is called by all ranks together (or is a no-op in a single process).
+
+The agreement on errors (:func:`gather_failures`, :func:`agree_on_failure`) is not a collective: it
+goes through the process group's store (:func:`lplugins._watchdog.agree`), so it cannot pair with a
+collective a strategy runs inside its own save (DeepSpeed's final barrier), and a rank stuck in one
+is answered for by its watchdog: the failing rank's real error is raised on every rank in seconds.
+A collective here that fails (a peer process ended) carries the other ranks' errors as notes.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lplugins import _watchdog
 from lplugins.callbacks._errors import CheckpointDirectoryError, CheckpointResumeError
 from lplugins.callbacks._storage import Storage
 
@@ -40,7 +47,10 @@ def reduce_max(trainer: Trainer, values: list[int]) -> list[int]:
     tensor = torch.tensor(values, dtype=torch.int64, device=trainer.strategy.root_device)
     # raw torch.distributed: this runs at every optimizer step, and Lightning's strategy.reduce puts a
     # barrier before its all-reduce (two collectives per step instead of one)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    try:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    except RuntimeError as err:  # a peer ended: say why, if it said
+        raise _watchdog.note_peer_failures(err)  # noqa: B904 -- the same exception, with notes
     return [int(v) for v in tensor.tolist()]
 
 
@@ -55,7 +65,10 @@ def gather(trainer: Trainer, obj: Any) -> list[Any]:
         return [obj]
     # raw torch.distributed: a strategy's all_gather takes tensors only, and these are Python objects
     out: list[Any] = [None] * trainer.world_size
-    torch.distributed.all_gather_object(out, obj)
+    try:
+        torch.distributed.all_gather_object(out, obj)
+    except RuntimeError as err:
+        raise _watchdog.note_peer_failures(err)  # noqa: B904 -- the same exception, with notes
     return out
 
 
@@ -104,32 +117,62 @@ def gather_failures(trainer: Trainer, error: BaseException | None, where: str) -
     """Every rank's failure at ``where``, as ``[(rank, "Type: message"), ...]`` (empty: no rank failed).
 
     Called by all ranks together; never raises for a failure (the caller decides, e.g. to fall back).
+    Out of band (the process group's store): it cannot pair with a strategy's own collectives.
 
-    Note:
-        Interim implementation (a gather); to be replaced by an out-of-band agreement that cannot pair
-        with a strategy's own collectives.
+    Raises:
+        RuntimeError: the other ranks cannot be reached (rank 0's process ended), with their known errors.
     """
-    text = None if error is None else f"{type(error).__name__}: {error}"
-    return [(rank, t) for rank, t in enumerate(gather(trainer, text)) if t is not None]
+    agreement = _agree(trainer, error, where)
+    silent = [(r, "no answer: the rank stopped responding (its process ended?)") for r in agreement.missing]
+    return sorted(agreement.failures + silent)
 
 
 def agree_on_failure(trainer: Trainer, error: BaseException | None, where: str) -> None:
     """Every rank learns whether any rank failed at ``where``; if one did, every rank raises.
 
-    A rank that failed raises its own ``error``; the others raise
-    :class:`~lplugins.callbacks.CheckpointWriteError` carrying the failing ranks' real errors (rank and
-    message). Returns on every rank when no rank failed.
+    The rank that failed first raises its own ``error`` (with a note naming the other ranks' errors,
+    and the ranks that were stuck in a collective and stop when this process does). Every other rank
+    raises :class:`~lplugins.callbacks.CheckpointWriteError` naming the first failing rank and its real
+    error (``from`` its own error, if it had one). Returns on every rank when no rank failed.
 
-    Note:
-        Interim implementation (a gather); to be replaced by an out-of-band agreement that cannot pair
-        with a strategy's own collectives.
+    Raises:
+        CheckpointWriteError: another rank failed first.
+        BaseException: ``error``, when this rank failed first.
     """
     from lplugins.callbacks._errors import CheckpointWriteError
 
-    failures = gather_failures(trainer, error, where)
-    if not failures:
+    agreement = _agree(trainer, error, where)
+    rank = trainer.global_rank
+    if not agreement.failures:
+        if agreement.missing and error is None:
+            ranks = ", ".join(map(str, agreement.missing))
+            raise CheckpointWriteError(
+                f"{where}: rank(s) {ranks} stopped answering (their process ended, or they are stuck); see their log."
+            )
         return
-    if error is not None:
+    others = [(r, t) for r, t in agreement.failures if r != rank]
+    if error is not None and agreement.first in (None, rank):
+        if others:
+            _watchdog.add_note(
+                error, f"lplugins: {where} also failed on " + "; ".join(f"rank {r}: {t}" for r, t in others)
+            )
+        for r, what in agreement.blocked:
+            _watchdog.add_note(error, f"lplugins: rank {r} waits in {what}; it stops when this process ends.")
+        for r in agreement.missing:
+            _watchdog.add_note(error, f"lplugins: rank {r} did not answer within {_watchdog.bound() or 30:g}s.")
         raise error
-    details = "; ".join(f"rank {rank}: {t}" for rank, t in failures)
-    raise CheckpointWriteError(f"{where} failed on another rank ({details}).")
+    first = next(((r, t) for r, t in agreement.failures if r == agreement.first), agreement.failures[0])
+    mine = f" On rank {rank} it then failed too: {_text(error)}." if error is not None else ""
+    raise CheckpointWriteError(f"{where} failed on rank {first[0]}: {first[1]}.{mine}") from error
+
+
+def _text(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1] if lines else 'no message'}"
+
+
+def _agree(trainer: Trainer, error: BaseException | None, where: str) -> _watchdog.Agreement:
+    text = None if error is None else _text(error)
+    if not is_distributed(trainer):
+        return _watchdog.Agreement(failures=[(0, text)] if text else [], first=0 if text else None)
+    return _watchdog.agree(text, where)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
-from lplugins._validate import did_you_mean, is_int, positive_int, positive_number
+from lplugins._validate import a_bool, did_you_mean, is_int, positive_int, positive_number
 from lplugins.callbacks._errors import CheckpointConfigError
-from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, parse_signal
+from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, parse_signals
 from lplugins.callbacks._record import NameTemplate
 from lplugins.callbacks._retention import Retention
 
-__all__ = ["CheckpointConfig", "ConfigField"]
+__all__ = ["CheckpointConfig", "ConfigField", "check_dirpath"]
 
 _OWNER = "DurableCheckpoint"
 
@@ -53,6 +54,8 @@ class CheckpointConfig:
     names: NameTemplate = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for flag in ("save_on_train_end", "async_save", "slurm_requeue", "crc32", "auto_insert_metric_name"):
+            a_bool(flag, getattr(self, flag), error=CheckpointConfigError, owner=_OWNER)
         an_int = functools.partial(positive_int, error=CheckpointConfigError, owner=_OWNER)
         an_int("every_n_steps", self.every_n_steps, optional=True)
         an_int("every_n_epochs", self.every_n_epochs, optional=True)
@@ -84,9 +87,9 @@ class CheckpointConfig:
             raise CheckpointConfigError(
                 f"{_OWNER}: preemption_exit_code must be an int in 0..255 or None, got {code!r}"
             )
-        object.__setattr__(self, "preemption_signals", tuple(parse_signal(s) for s in self.preemption_signals))
+        object.__setattr__(self, "preemption_signals", parse_signals(self.preemption_signals))
         try:
-            names = NameTemplate(self.filename, bool(self.auto_insert_metric_name))
+            names = NameTemplate(self.filename, self.auto_insert_metric_name)
         except ValueError as err:
             raise CheckpointConfigError(
                 f"{_OWNER}: filename={self.filename!r} is not a valid template: {err}"
@@ -94,9 +97,40 @@ class CheckpointConfig:
         object.__setattr__(self, "names", names)
 
     @property
+    def automatic_triggers(self) -> bool:
+        """Whether anything but ``request_checkpoint`` ever saves (an interval, train end or a preemption signal)."""
+        intervals = (self.every_n_steps, self.every_n_seconds, self.every_n_epochs)
+        return self.save_on_train_end or bool(self.preemption_signals) or any(i is not None for i in intervals)
+
+    @property
     def retention(self) -> Retention:
         """What to keep after each commit."""
         return Retention(self.keep_last, self.keep_top, self.monitor, self.mode)
+
+
+def check_dirpath(dirpath: object) -> str | None:
+    """``dirpath`` as a string (``None`` stays ``None``: the default directory).
+
+    Raises:
+        CheckpointConfigError: (a ``ValueError``) not a str or ``os.PathLike`` of str, or empty.
+
+    >>> check_dirpath(None), check_dirpath("ckpts")
+    (None, 'ckpts')
+    """
+    if dirpath is None:
+        return None
+    path = os.fspath(dirpath) if isinstance(dirpath, (str, os.PathLike)) else None
+    if not isinstance(path, str):
+        raise CheckpointConfigError(
+            f"{_OWNER}: dirpath={dirpath!r} is not allowed; it must be a directory (a str, a pathlib.Path or an"
+            " fsspec URL such as 's3://bucket/run') or None for <default_root_dir>/checkpoints."
+        )
+    if not path.strip():
+        raise CheckpointConfigError(
+            f"{_OWNER}: dirpath={dirpath!r} is not allowed: an empty path names no directory; pass None for the"
+            " default (<default_root_dir>/checkpoints) or '.' for the working directory."
+        )
+    return path
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:

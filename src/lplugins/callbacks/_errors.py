@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from lplugins._errors import LPluginsError
+from lplugins._errors import LPluginsError, UnsafeCheckpointError  # in the foundation: strategies raise it too
 
 __all__ = [
     "CheckpointConfigError",
     "CheckpointDirectoryError",
     "CheckpointResumeError",
     "CheckpointWriteError",
+    "DamagedCheckpointError",
+    "InconsistentCheckpointError",
     "UnsafeCheckpointError",
 ]
 
@@ -30,5 +32,10 @@ class CheckpointResumeError(LPluginsError, RuntimeError):
     ``ckpt_path="latest"`` was given to a Trainer without a ``DurableCheckpoint``."""
 
 
-class UnsafeCheckpointError(LPluginsError, RuntimeError):
-    """A checkpoint holds objects that ``torch.load(weights_only=True)`` refuses; nothing in it was run."""
+class DamagedCheckpointError(CheckpointResumeError):
+    """A committed checkpoint's bytes do not match its commit marker (CRC32, size or archive): it was damaged
+    after it was written. ``ckpt_path="latest"`` skips it (and quarantines it); an explicit path raises this."""
+
+
+class InconsistentCheckpointError(CheckpointResumeError):
+    """What a checkpoint holds (its ``global_step`` or ``epoch``) differs from what its commit marker says."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from lplugins.callbacks._errors import CheckpointConfigError
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "parse_signal", "slurm_requeue"]
+__all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "parse_signal", "parse_signals", "slurm_requeue"]
 
 log = logging.getLogger("lplugins")
 
@@ -21,28 +21,61 @@ log = logging.getLogger("lplugins")
 #: (``EX_TEMPFAIL`` from ``sysexits.h``: "temporary failure, retry"). Schedulers and wrappers can
 #: requeue on it; a finished run exits 0.
 PREEMPTED_EXIT_CODE = 75
+"""Exit code after a preemption checkpoint: 75, ``EX_TEMPFAIL`` ("temporary failure, retry"), for requeueing."""
 
 _HANDLER = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
+#: Signals no process can catch (the kernel acts on them itself); ``signal.signal`` refuses them.
+_UNCATCHABLE = frozenset(int(getattr(signal, name)) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name))
+#: What the message suggests: the signals schedulers send before they kill (SLURM, Kubernetes, ...).
+_SUGGESTED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+
+
 def parse_signal(value: str | int | signal.Signals) -> int:
-    """The number of a signal given by name (``"SIGTERM"``, ``"TERM"``) or number.
+    """The number of a signal given by name (``"SIGTERM"``, ``"TERM"``) or number, checked to be catchable.
 
     Raises:
-        CheckpointConfigError: not a signal (a ``ValueError``).
+        CheckpointConfigError: not a signal, or one that cannot be caught (``SIGKILL``, ``SIGSTOP``), a
+            ``ValueError``.
 
     >>> parse_signal("TERM") == signal.SIGTERM
     True
     """
+    allowed = ", ".join(repr(s) for s in _SUGGESTED if hasattr(signal, s))
     try:
         if isinstance(value, str):
-            return int(signal.Signals[value if value.startswith("SIG") else "SIG" + value])
-        return int(signal.Signals(value))
+            number = int(signal.Signals[value if value.startswith("SIG") else "SIG" + value])
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(value)
+        else:
+            number = int(signal.Signals(value))
     except (KeyError, ValueError):
         raise CheckpointConfigError(
-            f"DurableCheckpoint: preemption_signals: {value!r} is not a signal; use names like 'SIGTERM', 'SIGUSR1'"
+            f"DurableCheckpoint: preemption_signals: {value!r} is not a signal; use names like {allowed}"
             " or signal numbers"
         ) from None
+    if number in _UNCATCHABLE or number not in signal.valid_signals():
+        raise CheckpointConfigError(
+            f"DurableCheckpoint: preemption_signals: {signal.Signals(number).name} cannot be caught (the kernel"
+            f" stops or kills the process itself, before any save); use a signal sent before the kill, e.g. {allowed}"
+            " (any signal but SIGKILL and SIGSTOP)"
+        )
+    return number
+
+
+def parse_signals(values: object) -> tuple[int, ...]:
+    """:func:`parse_signal` for each of a list or tuple of signals (a bare name or number is an error).
+
+    Raises:
+        CheckpointConfigError: not a list or tuple, or one of them is not a catchable signal.
+    """
+    if isinstance(values, (str, bytes, int, signal.Signals)) or not isinstance(values, (list, tuple, set, frozenset)):
+        raise CheckpointConfigError(
+            f"DurableCheckpoint: preemption_signals={values!r} is not allowed; it must be a list of signals,"
+            " e.g. ['SIGTERM', 'SIGUSR1'], or () for none"
+        )
+    return tuple(dict.fromkeys(parse_signal(v) for v in values))
 
 
 class PreemptionSignals:

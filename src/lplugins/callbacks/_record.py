@@ -5,7 +5,8 @@ A checkpoint directory holds, for every committed checkpoint ``NAME``:
 * ``NAME`` -- the data: a file (``torch.save`` zip) or a directory (sharded strategies such as DeepSpeed);
 * ``NAME.commit`` -- the commit marker, a small JSON :class:`Record` written *last*.
 
-Temporary entries start with :data:`TMP_PREFIX`. Names come from a :class:`NameTemplate`: by default
+Temporary entries start with :data:`TMP_PREFIX`; damaged committed checkpoints are moved into the
+:data:`QUARANTINE` folder. Names come from a :class:`NameTemplate`: by default
 ``step=<9 digits>-epoch=<4 digits>.ckpt``, or a Lightning-style ``filename`` template.
 """
 
@@ -16,11 +17,13 @@ import math
 import re
 import string
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 COMMIT_SUFFIX = ".commit"
 TMP_PREFIX = ".tmp."
+#: The folder in a checkpoint directory where damaged committed checkpoints are moved (never resumed from).
+QUARANTINE = "quarantine"
 FORMAT_VERSION = 1
 NAME_RE = re.compile(r"^step=(\d+)-epoch=(\d+)(-v\d+)?\.ckpt$")
 EXTENSION = ".ckpt"
@@ -156,9 +159,12 @@ class Record:
         reason: What triggered the save (``"step"``, ``"epoch"``, ``"time"``, ``"request"``, ...).
         seq: Commit sequence number in this directory (1, 2, ...): "newest" means the highest, whatever
             the step numbers and clocks say (a fresh run in a used directory is newer than the old run).
-        crc32: CRC32 of the whole file checkpoint, when it was computed (``verify="deep"`` checks it).
-        zip_crc: Whether the archive's per-record CRC32s were written (checked by ``verify="deep"``
-            when there is no ``crc32``).
+        crc32: CRC32 of the whole file checkpoint, when it was computed (checked at every resume).
+        zip_crc: Whether the archive's per-record CRC32s were written (checked at resume when there is
+            no ``crc32``).
+        crcs: For a directory checkpoint, each file's CRC32 (checked at every resume).
+        world_size: The number of processes that saved it (0: not recorded).
+        strategy: The class name of the strategy that saved it (empty: not recorded).
     """
 
     name: str
@@ -174,6 +180,9 @@ class Record:
     seq: int = 0
     crc32: int | None = None
     zip_crc: bool = True
+    crcs: dict[str, int] = field(default_factory=dict)
+    world_size: int = 0
+    strategy: str = ""
     format: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
@@ -182,16 +191,81 @@ class Record:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Record:
-        """Parse a marker.
+        """Parse a marker, checking every field's type (a ``bool`` is not an ``int``).
+
+        Unknown fields are ignored (a newer writer may add some).
 
         Raises:
-            ValueError: not a marker of a known format.
+            ValueError: not a marker of a known format, or a field of the wrong type (the message names
+                the field, its value and what is allowed).
+
+        >>> Record.from_json(Record("a.ckpt", 3, 0, 1.0).to_json()).global_step
+        3
+        >>> Record.from_json(b'{"format": 1, "name": "a.ckpt", "global_step": 3, "epoch": 0, "time": 1, "seq": "2"}')
+        Traceback (most recent call last):
+        ...
+        ValueError: commit marker field 'seq' is '2' (str): expected an int >= 0
         """
-        data = json.loads(raw)
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ValueError(f"not a commit marker: not JSON ({err})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
             raise ValueError("not a commit marker of a known format")
-        allowed = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in allowed})
+        missing = [k for k in _REQUIRED if k not in data]
+        if missing:
+            raise ValueError(f"commit marker lacks field(s) {', '.join(missing)}")
+        for key, (check, allowed) in _FIELD_TYPES.items():
+            if key in data and not check(data[key]):
+                value = data[key]
+                raise ValueError(
+                    f"commit marker field {key!r} is {value!r} ({type(value).__name__}): expected {allowed}"
+                )
+        allowed_keys = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in allowed_keys})
+
+
+def _is_int(v: object, minimum: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_name(v: object) -> bool:
+    return isinstance(v, str) and bool(v) and "/" not in v and "\\" not in v and v not in (".", "..")
+
+
+def _is_sizes(v: object) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _is_int(n) for k, n in v.items())
+
+
+def _is_crc(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32
+
+
+_REQUIRED = ("name", "global_step", "epoch", "time")
+#: field -> (check, what is allowed): every field of :class:`Record` a marker may carry.
+_FIELD_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "name": (_is_name, "a file name (a non-empty string without '/')"),
+    "global_step": (_is_int, "an int >= 0"),
+    "epoch": (_is_int, "an int >= 0"),
+    "time": (_is_number, "a number"),
+    "kind": (lambda v: v in ("file", "dir"), "'file' or 'dir'"),
+    "size": (_is_int, "an int >= 0"),
+    "files": (_is_sizes, "a dict of relative path -> int size"),
+    "monitor": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "metric": (lambda v: v is None or _is_number(v), "a number or null"),
+    "reason": (lambda v: isinstance(v, str), "a string"),
+    "seq": (_is_int, "an int >= 0"),
+    "crc32": (lambda v: v is None or _is_crc(v), "an int CRC32 or null"),
+    "zip_crc": (lambda v: isinstance(v, bool), "a bool"),
+    "crcs": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_crc(c) for k, c in v.items()),
+             "a dict of relative path -> int CRC32"),
+    "world_size": (_is_int, "an int >= 0"),
+    "strategy": (lambda v: isinstance(v, str), "a string"),
+}  # fmt: skip
 
 
 def order(record: Record) -> tuple[int, int, float]:

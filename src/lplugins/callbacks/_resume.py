@@ -1,11 +1,15 @@
-"""Resuming: ``"latest"`` resolved once, by :class:`LatestResolver`, for both ways Lightning loads a checkpoint.
+"""Resuming: every load, by :class:`LatestResolver`, for both ways Lightning loads a checkpoint.
 
 Lightning loads through the strategy's ``CheckpointIO`` (wrapped in :class:`SafeResumeIO`), except
 for strategies with their own ``load_checkpoint`` (DeepSpeed, FSDP2), which is wrapped on the
-instance. Both call the same resolver: ``"latest"`` becomes the newest committed, loadable checkpoint
-(or a fresh start), every rank must resolve the same path, ``trainer.ckpt_path`` reports it, and rank
-zero says which checkpoint and why (Lightning's "Restoring states from the checkpoint path at latest"
-is kept off the log: it would name a path that does not exist).
+instance. Both go through the same loop (:meth:`LatestResolver.load`): a committed checkpoint's bytes
+are verified against its marker's CRC32s while it loads (:mod:`~lplugins.callbacks._verify`) and the
+loaded step and epoch against the marker; ``"latest"`` tries the committed checkpoints newest first and
+skips any that is damaged, unreadable, disallowed or inconsistent, the ranks agreeing on each one
+(``gather_failures``), damaged ones moved to the quarantine; an explicit path that fails is an error.
+``trainer.ckpt_path`` reports what was loaded, and rank zero says what was skipped, why, and what was
+resumed (Lightning's "Restoring states from the checkpoint path at latest" is kept off the log: it
+would name a path that does not exist).
 
 Lightning's own words are understood too (:func:`understand_ckpt_path`): ``ckpt_path="last"`` on a
 Trainer with a ``DurableCheckpoint`` means ``"latest"``, and ``"latest"`` on one without is a clear error.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +28,16 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from lplugins import _lightning
 from lplugins._log import announce
-from lplugins.callbacks._collective import agree_on_path
-from lplugins.callbacks._errors import CheckpointResumeError, UnsafeCheckpointError
-from lplugins.callbacks._record import Record, order
+from lplugins.callbacks._collective import agree_on_path, gather_failures
+from lplugins.callbacks._errors import (
+    CheckpointResumeError,
+    DamagedCheckpointError,
+    InconsistentCheckpointError,
+    UnsafeCheckpointError,
+)
+from lplugins.callbacks._record import COMMIT_SUFFIX, Record, order
 from lplugins.callbacks._storage import Storage, open_storage
+from lplugins.callbacks._verify import Overlapped, bytes_problem, can_verify
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -44,6 +55,7 @@ __all__ = [
 
 #: The ``ckpt_path`` value that resolves to the newest committed, loadable checkpoint.
 LATEST = "latest"
+"""The ``ckpt_path`` value that resolves to the newest committed, loadable checkpoint (or a fresh start)."""
 #: Lightning's word for the newest checkpoint; with a ``DurableCheckpoint`` it means :data:`LATEST`.
 LAST = "last"
 
@@ -51,10 +63,12 @@ LAST = "last"
 def latest_checkpoint(dirpath: str | os.PathLike[str], *, deep: bool = False) -> str | None:
     """The newest committed checkpoint in ``dirpath`` whose data matches its commit marker, or ``None``.
 
-    Uncommitted leftovers (temporary files, data without a commit marker) are never returned, and a
-    committed checkpoint whose file was truncated or changed since is skipped in favour of the next
-    newest. Nothing is unpickled. Pass the result to ``trainer.fit(ckpt_path=...)``; ``None`` starts
-    from scratch, so the same line works for the first run and every restart.
+    Uncommitted leftovers (temporary files, data without a commit marker) and unreadable or ill-typed
+    markers are never returned, and a committed checkpoint whose file was truncated or changed since is
+    skipped in favour of the next newest. Nothing is unpickled and nothing is moved. Pass the result to
+    ``trainer.fit(ckpt_path=...)``; ``None`` starts from scratch, so the same line works for the first run
+    and every restart. (``ckpt_path="latest"`` goes further: it verifies every byte while loading, and
+    falls back past a checkpoint that fails to load or does not match.)
 
     Args:
         dirpath: The directory a :class:`~lplugins.callbacks.DurableCheckpoint` writes to.
@@ -90,23 +104,44 @@ def newest_loadable(storage: Storage, *, deep: bool = False) -> tuple[Record | N
     return None, skipped
 
 
-def load_weights_only(io: CheckpointIO, path: Any, map_location: Any = None) -> dict[str, Any]:
-    """Load ``path`` through ``io`` with ``weights_only=True``, turning a refused payload into a clear error.
+def load_weights_only(
+    io: CheckpointIO, path: Any, map_location: Any = None, weights_only: bool = True
+) -> dict[str, Any]:
+    """Load ``path`` through ``io`` (``weights_only=True`` unless told otherwise), a refused payload made clear.
 
     Raises:
         UnsafeCheckpointError: the file holds objects outside torch's weights-only allow-list.
     """
     try:
         if map_location is None:
-            return io.load_checkpoint(path, weights_only=True)
-        return io.load_checkpoint(path, map_location=map_location, weights_only=True)
+            return io.load_checkpoint(path, weights_only=weights_only)
+        return io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(
-            f"Refusing to load checkpoint {os.fspath(path)!r}: it holds objects that torch.load(weights_only=True)"
-            " does not allow (nothing in it was executed). If you wrote this file yourself and trust it, allow"
-            " the types with torch.serialization.add_safe_globals([...]).\n"
-            f"torch said: {str(err).splitlines()[0] if str(err) else err!r}"
-        ) from err
+        raise unsafe_error(path, err) from err
+
+
+def unsafe_error(path: Any, err: BaseException) -> UnsafeCheckpointError:
+    """The :class:`UnsafeCheckpointError` for torch's refusal ``err`` of ``path``: the file and the disallowed type.
+
+    >>> str(unsafe_error("c.ckpt", Exception("... Unsupported global: GLOBAL fractions.Fraction was not ...")))[:88]
+    "Refusing to load checkpoint 'c.ckpt': it holds fractions.Fraction, which torch.load(weig"
+    """
+    text = str(err)
+    found = _GLOBAL_RE.search(text)
+    what = found.group(1) if found else None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines else "")
+    holds = what if what else "an object"
+    allow = f"torch.serialization.add_safe_globals([{what}])" if what else "torch.serialization.add_safe_globals([...])"
+    return UnsafeCheckpointError(
+        f"Refusing to load checkpoint {os.fspath(path)!r}: it holds {holds}, which torch.load(weights_only=True)"
+        f" does not allow (nothing in it was executed). A file you did not write yourself may be malicious: do not"
+        f" load it. Only if you trust this file: allow the type with {allow}, or pass weights_only=False to"
+        f" fit()/validate()/test() with this ckpt_path.\ntorch said: {detail}"
+    )
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 class NoCheckpoint(dict[str, Any]):
@@ -123,59 +158,262 @@ class NoCheckpoint(dict[str, Any]):
         return cls({"pytorch-lightning_version": lightning.__version__})
 
 
+#: Why a candidate was skipped (each said in its own words).
+DAMAGED, DISALLOWED, INCONSISTENT, UNREADABLE = "damaged", "disallowed", "inconsistent", "unreadable"
+_KIND_OF_TYPE = {
+    DamagedCheckpointError.__name__: DAMAGED,
+    InconsistentCheckpointError.__name__: INCONSISTENT,
+    UnsafeCheckpointError.__name__: DISALLOWED,
+}
+_SEVERITY = (DAMAGED, INCONSISTENT, DISALLOWED, UNREADABLE)
+
+
+def failure_kind(failures: list[tuple[int, str]]) -> str:
+    """The kind of a candidate's failure, from every failing rank's ``"Type: message"`` (the gravest wins).
+
+    >>> failure_kind([(1, "UnicodeDecodeError: ..."), (0, "DamagedCheckpointError: ...")])
+    'damaged'
+    """
+    kinds = {_KIND_OF_TYPE.get(text.split(":", 1)[0], UNREADABLE) for _, text in failures}
+    return next(kind for kind in _SEVERITY if kind in kinds)
+
+
 class LatestResolver:
-    """Resolves the ``ckpt_path`` of one trainer's loads, and installs itself in front of both load paths.
+    """Loads for one trainer: ``"latest"`` with fallback, every byte verified; installs itself in front of both
+    load paths.
 
     Args:
         trainer: The trainer whose loads go through it.
         dirpath: The checkpoint directory ``"latest"`` refers to.
-        deep: Check every byte's CRC of the candidates for ``"latest"``.
+        deep: Verify every byte *before* loading (default: while loading, on a second thread).
+        forget: Called on rank zero with the name of each checkpoint moved to the quarantine at load
+            (the callback's ledger drops it).
     """
 
-    def __init__(self, trainer: Trainer, dirpath: str, deep: bool = False) -> None:
+    def __init__(
+        self, trainer: Trainer, dirpath: str, deep: bool = False, forget: Callable[[str], None] | None = None
+    ) -> None:
         self.trainer = trainer
         self.dirpath = dirpath
         self.deep = deep
+        self.forget = forget
         #: What the last ``"latest"`` resolved to.
         self.resolved: str | None = None
         self._io: SafeResumeIO | None = None
         self._unhide: Callable[[], None] | None = None
+        self._loading = False  # inside a load: a nested one (a strategy calling its CheckpointIO) passes through
 
-    def resolve(self, path: Any) -> Any:
-        """The checkpoint to load for ``path``, or ``None`` for a fresh start; all ranks must agree (collective).
+    # ------------------------------------------------------------------------------------------ loading
+    def load(self, path: Any, attempt: Callable[[str], Any], *, in_place: bool = False) -> Any:
+        """Load ``path`` with ``attempt`` (a collective): ``"latest"`` falls back, an explicit path raises.
+
+        Args:
+            path: ``"latest"`` or a checkpoint path.
+            attempt: Loads one path and returns what Lightning expects (the checkpoint dict).
+            in_place: The load changes the model in place (a strategy's own ``load_checkpoint``): when
+                every candidate fails, this raises instead of starting fresh.
 
         Raises:
-            CheckpointResumeError: ranks resolved different paths.
+            DamagedCheckpointError: an explicit path's bytes do not match its commit marker.
+            InconsistentCheckpointError: an explicit path's state is not what its marker says.
+            UnsafeCheckpointError: an explicit path holds disallowed objects.
+            CheckpointResumeError: ranks resolved different paths; an explicit path failed on another rank;
+                or (``in_place``) no candidate of ``"latest"`` loaded.
         """
-        if not (isinstance(path, str) and path == LATEST):
-            agree_on_path(self.trainer, os.fspath(path))
-            return path
+        if self._loading:
+            return attempt(path)
+        if isinstance(path, str) and path == LATEST:
+            return self._load_latest(attempt, in_place)
+        return self._load_explicit(os.fspath(path), attempt)
+
+    def _load_explicit(self, path: str, attempt: Callable[[str], Any]) -> Any:
+        agree_on_path(self.trainer, path)
         storage = open_storage(self.dirpath)
-        record, skipped = newest_loadable(storage, deep=self.deep)
-        resolved = storage.path(record.name) if record is not None else None
-        agree_on_path(self.trainer, resolved)
+        record = self._record_for(storage, path)
+        result, error = self._try(storage, record, path, attempt)
+        failures = gather_failures(self.trainer, error, f"loading checkpoint {path}")
+        if not failures:
+            if record is not None:
+                self._note_world(record, path)
+            return result
+        kind = failure_kind(failures)
+        if record is not None:
+            self._skip(storage, record.name, kind, failures, explicit=True)
+        if error is not None:
+            raise error
+        details = "; ".join(f"rank {rank}: {text}" for rank, text in failures)
+        raise CheckpointResumeError(f"Loading checkpoint {path} failed on another rank ({details}).")
+
+    def _load_latest(self, attempt: Callable[[str], Any], in_place: bool) -> Any:
+        storage = open_storage(self.dirpath)
+        records: list[Record] = []
+        for record, marker, problem in storage.markers():
+            if record is not None:
+                records.append(record)
+            else:
+                announce(
+                    "lplugins: ckpt_path='latest': skipped %s: %s (not a checkpoint to resume from)",
+                    storage.path(marker), problem,
+                )  # fmt: skip
+        records.sort(key=order, reverse=True)
+        skipped: list[tuple[str, str]] = []
+        for record in [*records, None]:
+            path = storage.path(record.name) if record is not None else None
+            agree_on_path(self.trainer, path)
+            if record is None or path is None:
+                break
+            result, error = self._try(storage, record, path, attempt)
+            failures = gather_failures(self.trainer, error, f"resuming from {path}")
+            if not failures:
+                self._resolved(record, path, skipped)
+                return result
+            kind = failure_kind(failures)
+            skipped.append((record.name, kind))
+            self._skip(storage, record.name, kind, failures)
+        self._resolved(None, None, skipped)
+        if in_place and skipped:
+            listing = ", ".join(f"{name} ({kind})" for name, kind in skipped)
+            raise CheckpointResumeError(
+                f"ckpt_path='latest': none of the committed checkpoints in {self.dirpath} could be loaded"
+                f" ({listing}; the log says why). {type(self.trainer.strategy).__name__} loads into the model in"
+                " place, so it may now hold part of one of them: not starting fresh from that. Damaged and"
+                " inconsistent checkpoints were moved to the quarantine folder, so a restart starts fresh unless"
+                " others are left (remove them, or for disallowed content you trust pass weights_only=False)."
+            )
+        return NoCheckpoint.new()
+
+    def _record_for(self, storage: Storage, path: str) -> Record | None:
+        """The commit record of ``path`` when it is a committed checkpoint of this directory."""
+        name = os.path.basename(path.rstrip("/"))
+        if os.path.normpath(storage.path(name)) != os.path.normpath(path):
+            return None
+        try:
+            return Record.from_json(storage.read_bytes(name + COMMIT_SUFFIX))
+        except (OSError, ValueError):
+            return None
+
+    def _try(
+        self, storage: Storage, record: Record | None, path: str, attempt: Callable[[str], Any]
+    ) -> tuple[Any, BaseException | None]:
+        """Load ``path`` with its bytes verified against ``record``: ``(result, None)`` or ``(None, error)``."""
+        try:
+            return self._verified(storage, record, path, attempt), None
+        except Exception as err:  # every rank reports, then all skip (or raise) together
+            return None, err
+
+    def _verified(self, storage: Storage, record: Record | None, path: str, attempt: Callable[[str], Any]) -> Any:
+        if record is None:  # not a committed checkpoint of this directory: nothing to verify against
+            return self._attempt(path, attempt)
+        problem = storage.check(record)  # sizes, archive directory
+        if problem is not None:
+            raise DamagedCheckpointError(f"{path}: {problem}")
+        rank, world = self.trainer.global_rank, max(1, self.trainer.world_size)
+        check = functools.partial(bytes_problem, storage, record, rank, world)
+        if not can_verify(record):
+            result = self._attempt(path, attempt)
+        elif self.deep or not storage.parallel_reads:  # before loading (remote: one handle per file at a time)
+            if (problem := check()) is not None:
+                raise DamagedCheckpointError(f"{path}: {problem}")
+            result = self._attempt(path, attempt)
+        else:
+            with Overlapped(check) as job:
+                try:
+                    result = self._attempt(path, attempt)
+                except Exception as err:
+                    if (problem := job.result()) is not None:
+                        raise DamagedCheckpointError(f"{path}: {problem}") from err
+                    raise
+            if (problem := job.result()) is not None:
+                raise DamagedCheckpointError(f"{path}: {problem}")
+        self._cross_check(record, result, path)
+        return result
+
+    def _attempt(self, path: str, attempt: Callable[[str], Any]) -> Any:
+        self._loading = True
+        try:
+            return attempt(path)
+        finally:
+            self._loading = False
+
+    @staticmethod
+    def _cross_check(record: Record, loaded: Any, path: str) -> None:
+        """The loaded state must be the one the marker describes (its step; its epoch, or the next at an epoch end)."""
+        if not isinstance(loaded, dict):
+            return
+        step, epoch = loaded.get("global_step"), loaded.get("epoch")
+        problems = []
+        if isinstance(step, int) and step != record.global_step:
+            problems.append(f"it holds global_step {step}, its commit marker says {record.global_step}")
+        if isinstance(epoch, int) and epoch not in (record.epoch, record.epoch + 1):
+            problems.append(f"it holds epoch {epoch}, its commit marker says {record.epoch}")
+        if problems:
+            raise InconsistentCheckpointError(f"{path}: {'; '.join(problems)}")
+
+    # ------------------------------------------------------------------------------------------ telling
+    def _skip(
+        self, storage: Storage, name: str, kind: str, failures: list[tuple[int, str]], explicit: bool = False
+    ) -> None:
+        """Rank zero: quarantine a damaged or inconsistent checkpoint, and say what was skipped and why."""
+        if not self.trainer.is_global_zero:
+            return
+        path = storage.path(name)
+        detail = "; ".join(
+            (f"rank {rank}: " if self.trainer.world_size > 1 else "")
+            + text.splitlines()[0].replace(f"{path}: ", "").replace(f"{path!r}", "it")
+            for rank, text in failures
+        )
+        where = ""
+        if kind in (DAMAGED, INCONSISTENT):
+            try:
+                where = f"; moved to {storage.quarantine(name, f'{kind}: {detail}')} (kept, never resumed from)"
+            except OSError as err:
+                where = f"; could not move it to the quarantine folder ({err})"
+            if self.forget is not None:
+                self.forget(name)
+        verb = "could not load" if explicit else "skipped"
+        what = {
+            DAMAGED: "damaged: its bytes do not match its commit marker",
+            INCONSISTENT: "inconsistent: the state in it is not the one its commit marker describes",
+            DISALLOWED: "disallowed content: it holds objects torch.load(weights_only=True) refuses; nothing in"
+            " it was run. Left in place: load it with weights_only=False only if you wrote it and trust it",
+            UNREADABLE: "unreadable: loading it failed",
+        }[kind]
+        announce("lplugins: ckpt_path: %s %s (%s) [%s]%s", verb, path, what, detail, where)
+
+    def _resolved(self, record: Record | None, resolved: str | None, skipped: list[tuple[str, str]]) -> None:
+        """Record and say on rank zero what ``"latest"`` resolved to, and why."""
         self.resolved = resolved
         _lightning.set_ckpt_path(self.trainer, resolved)
-        self._announce(record, resolved, skipped)
-        return resolved
-
-    def _announce(self, record: Record | None, resolved: str | None, skipped: list[tuple[str, str]]) -> None:
-        """Say on rank zero what ``"latest"`` resolved to, and why."""
-        check = "every byte checked against its CRC32" if self.deep else "size and archive directory checked"
-        passed = "; ".join(f"skipped newer {name}: {problem}" for name, problem in skipped)
+        passed = "; ".join(f"skipped newer {name}: {kind}" for name, kind in skipped)
         passed = f" ({passed})" if passed else ""
-        if record is None:
-            announce(
-                "lplugins: ckpt_path='latest': no committed checkpoint in %s: starting fresh%s", self.dirpath, passed
-            )
+        if record is None or resolved is None:
+            nothing = "no loadable committed checkpoint" if skipped else "no committed checkpoint"
+            announce("lplugins: ckpt_path='latest': %s in %s: starting fresh%s", nothing, self.dirpath, passed)
             return
+        if not can_verify(record):
+            check = "size and archive directory checked; its marker has no CRC32 (written with crc32=False)"
+        elif self.deep or not open_storage(self.dirpath).parallel_reads:
+            check = "every byte checked against its CRC32 before loading"
+        else:
+            check = "every byte checked against its CRC32 while loading"
         announce(
             "lplugins: ckpt_path='latest': resuming from %s (step %d, epoch %d, trigger: %s): the newest committed"
-            " checkpoint in %s whose data matches its commit marker (%s)%s",
-            resolved, record.global_step, record.epoch, record.reason or "unknown", self.dirpath, check,
-            passed,
+            " checkpoint in %s that loads and matches its commit marker (%s)%s",
+            resolved, record.global_step, record.epoch, record.reason or "unknown", self.dirpath, check, passed,
         )  # fmt: skip
+        self._note_world(record, resolved)
 
+    def _note_world(self, record: Record, path: str) -> None:
+        world = self.trainer.world_size
+        if record.world_size and record.world_size != world:
+            announce(
+                "lplugins: %s was saved by %d process(es) (%s); resuming on %d (%s): the per-rank state"
+                " (RNG, data order) of the saving run cannot be continued exactly",
+                path, record.world_size, record.strategy or "unknown strategy", world,
+                type(self.trainer.strategy).__name__,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ installing
     def install(self) -> None:
         """Resolve in front of the strategy's ``CheckpointIO`` and, if it has one, its own ``load_checkpoint``."""
         strategy = self.trainer.strategy
@@ -200,18 +438,29 @@ class LatestResolver:
             self._unhide = None
 
     def _resolving_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """The strategy's own ``load_checkpoint`` with the path resolved in front."""
-        strategy = self.trainer.strategy
+        """The strategy's own ``load_checkpoint`` behind :meth:`load` (``weights_only`` passed on unchanged)."""
 
         def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-            target = self.resolve(checkpoint_path)
-            if target is None:
-                return NoCheckpoint.new()
-            if "weights_only" in kwargs and not hasattr(strategy, "deepspeed_engine"):
-                kwargs["weights_only"] = True  # DeepSpeed's engine loads its own files (docs/checkpoint.md)
-            return original(target, *args, **kwargs)
+            def attempt(target: str) -> Any:
+                # ``weights_only`` as given: the strategy honours it (and warns for False, naming the file)
+                try:
+                    return original(target, *args, **kwargs)
+                except pickle.UnpicklingError as err:
+                    raise unsafe_error(target, err) from err
+
+            return self.load(checkpoint_path, attempt, in_place=True)
 
         return load_checkpoint
+
+
+def warn_not_weights_only(path: str) -> None:
+    """Rank zero: one warning that ``path`` is loaded without torch's weights-only guard, as asked."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        f"Loading checkpoint {path!r} with weights_only=False, as passed to the Trainer: torch.load runs any code"
+        " pickled in it. Do this only for a file you wrote yourself or otherwise trust."
+    )
 
 
 def understand_ckpt_path(trainer: Trainer, durable: type) -> None:
@@ -267,11 +516,12 @@ def loads_itself(trainer: Trainer) -> bool:
 class SafeResumeIO(CheckpointIO):
     """Wraps the strategy's ``CheckpointIO``: loads go through a :class:`LatestResolver`, weights-only.
 
+    ``weights_only=False`` (``fit(..., weights_only=False)``) is honoured, with a warning naming the file.
     Saving and removing are passed through unchanged.
 
     Args:
         inner: The strategy's original ``CheckpointIO``.
-        resolver: Resolves the path of every load.
+        resolver: Resolves and verifies every load.
     """
 
     def __init__(self, inner: CheckpointIO, resolver: LatestResolver) -> None:
@@ -290,13 +540,12 @@ class SafeResumeIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        target = self.resolver.resolve(path)
-        if target is None:
-            return NoCheckpoint.new()
-        if weights_only is False:
-            from lightning.pytorch.utilities import rank_zero_warn
+        trusted = weights_only is False
 
-            rank_zero_warn(
-                "DurableCheckpoint loads every checkpoint with weights_only=True; ignoring weights_only=False."
-            )
-        return load_weights_only(self.inner, target, map_location)
+        def attempt(target: str) -> dict[str, Any]:
+            if trusted:
+                warn_not_weights_only(target)
+            return load_weights_only(self.inner, target, map_location, weights_only=not trusted)
+
+        result: dict[str, Any] = self.resolver.load(path, attempt)
+        return result

@@ -115,6 +115,11 @@ class Ledger:
             else:
                 deleter.submit(functools.partial(_delete_quietly, self.storage, r.name))
 
+    def forget(self, name: str) -> None:
+        """Drop ``name`` from the kept checkpoints (it was moved to the quarantine: retention never touches it)."""
+        with self._lock:
+            self._records = [r for r in self._records if r.name != name]
+
     def flush(self) -> None:
         """Wait for the deletes in flight."""
         if self._deleter is not None:

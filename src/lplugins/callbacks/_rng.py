@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["capture", "restore", "restore_this_rank"]
+__all__ = ["capture", "rank_and_world", "restore", "restore_this_rank"]
 
 
 def capture() -> dict[str, Any]:
@@ -43,15 +43,23 @@ def restore(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-def restore_this_rank(states: list[dict[str, Any]]) -> None:
-    """Restore this rank's entry of every rank's states (rank order); warn and skip when the world size changed."""
-    # Called from ``load_state_dict``, which gets no trainer: the rank comes from torch.distributed itself.
+def rank_and_world() -> tuple[int, int]:
+    """This process's global rank and the world size, from torch.distributed itself (``(0, 1)`` without it).
+
+    For ``load_state_dict``, which gets no trainer.
+    """
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+    return (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+
+
+def restore_this_rank(states: list[dict[str, Any]]) -> bool:
+    """Restore this rank's entry of every rank's states (rank order); False (and a warning) if the world changed."""
+    rank, world = rank_and_world()
     if len(states) != world:
         rank_zero_warn(
             f"DurableCheckpoint: the checkpoint holds the RNG states of {len(states)} rank(s) but this run has"
             f" {world}; the random number generators are not restored."
         )
-        return
+        return False
     restore(states[rank])
+    return True

@@ -19,15 +19,16 @@ def can_skip_zip_crc() -> bool:
     return hasattr(torch.serialization, "set_crc32_options") and hasattr(torch.serialization, "get_crc32_options")
 
 
-def torch_save(obj: Any, target: Any) -> None:
+def torch_save(obj: Any, target: Any, skip_zip_crc: bool = True) -> None:
     """``torch.save`` without the archive's per-record CRC32s (the stream's whole-file CRC32 replaces them).
 
     torch's switch is process-wide (``torch.serialization.set_crc32_options``): it is off while any of
     these saves runs (saves on several threads share one "off" period) and restored after the last.
-    Older torch versions without the switch compute them (slower, same result).
+    Older torch versions without the switch compute them (slower, same result). With ``skip_zip_crc=False``
+    (no whole-file CRC32) this is a plain ``torch.save``, which writes them.
     """
     global _crc_off_count, _crc_previous
-    if not can_skip_zip_crc():
+    if not skip_zip_crc or not can_skip_zip_crc():
         torch.save(obj, target)
         return
     with _CRC_LOCK:

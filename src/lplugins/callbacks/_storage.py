@@ -5,7 +5,9 @@ A checkpoint exists for resume only when its commit marker (``NAME.commit``, see
 temporary name in the target directory, flushed and ``fsync``-ed, then renamed; the directory is
 ``fsync``-ed after every rename, so a crash at any instant leaves either the previous state or the
 new one. Uncommitted leftovers (``.tmp.*`` entries, data without a marker) are invisible to
-:meth:`Storage.find_committed` and removed by :meth:`Storage.clean_leftovers`.
+:meth:`Storage.find_committed` and removed by :meth:`Storage.clean_leftovers`; a *committed*
+checkpoint whose data no longer matches its marker, or an unreadable marker, is never deleted: it is
+moved to ``dirpath/quarantine/`` (:meth:`Storage.quarantine`) with a file saying why.
 
 :class:`Storage` declares the primitives (abstract) and implements the commit protocol once, on top
 of them. Two implementations: :class:`~lplugins.callbacks._storage_local.LocalStorage` (with
@@ -18,17 +20,38 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import re
 import uuid
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import IO, Any
 
-from lplugins.callbacks._record import COMMIT_SUFFIX, NAME_RE, TMP_PREFIX, Record, order
+from lplugins.callbacks._record import COMMIT_SUFFIX, NAME_RE, QUARANTINE, TMP_PREFIX, Record, order
 from lplugins.callbacks._stream import StreamWriter
 
-__all__ = ["Storage", "is_remote", "open_storage"]
+__all__ = ["Cleanup", "Storage", "canonical_dirpath", "is_remote", "open_storage"]
+
+#: The file in a quarantined checkpoint's folder that says why it was moved there.
+REASON_FILE = "REASON.txt"
+
+
+@dataclass
+class Cleanup:
+    """What :meth:`Storage.clean_leftovers` did.
+
+    Attributes:
+        uncommitted: Removed entries that were never committed (``.tmp.*``, data without a marker).
+        orphans: Removed commit markers whose data is gone (an interrupted save or delete).
+        quarantined: ``(name, reason, where)`` of each committed checkpoint (or unreadable marker) moved aside.
+    """
+
+    uncommitted: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    quarantined: list[tuple[str, str, str]] = field(default_factory=list)
+
 
 _CHUNK = 8 << 20
 
@@ -36,6 +59,27 @@ _CHUNK = 8 << 20
 def is_remote(path: str) -> bool:
     """Whether ``path`` is an fsspec URL (``s3://...``) rather than a local path."""
     return "://" in path and not path.startswith("file://")
+
+
+def canonical_dirpath(dirpath: str | os.PathLike[str] | None) -> str | None:
+    """``dirpath`` spelled one way: the same directory written ``ckpts``, ``ckpts/``, ``./ckpts`` is one string.
+
+    Local paths are normalized (``~`` expanded, ``file://`` dropped, ``.``, ``..``, repeated and trailing
+    separators removed) but not made absolute: a run directory moved or copied elsewhere keeps its
+    spelling. URLs keep their scheme; their path is normalized the same way (trailing ``/`` removed).
+
+    >>> [canonical_dirpath(p) for p in ("ckpts", "ckpts/", "./ckpts", "a/../ckpts//", "s3://b/ckpts/", None)]
+    ['ckpts', 'ckpts', 'ckpts', 'ckpts', 's3://b/ckpts', None]
+    """
+    if dirpath is None:
+        return None
+    path = os.fspath(dirpath)
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    if is_remote(path):
+        scheme, rest = path.split("://", 1)
+        return f"{scheme}://{posixpath.normpath(rest)}" if rest.strip("/") else f"{scheme}://{rest}"
+    return os.path.normpath(os.path.expanduser(path))
 
 
 def open_storage(dirpath: str | os.PathLike[str]) -> Storage:
@@ -59,6 +103,9 @@ class Storage(ABC):
     Args:
         dirpath: The checkpoint directory (a local path or an fsspec URL).
     """
+
+    #: Whether several handles may read one file at once from threads (ranges hashed in parallel).
+    parallel_reads = False
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = str(dirpath)
@@ -99,6 +146,10 @@ class Storage(ABC):
     @abstractmethod
     def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         """Open a new file ``name`` for writing (binary)."""
+
+    @abstractmethod
+    def mkdir(self, name: str) -> None:
+        """Create the directory ``name`` (a relative path; parents too) inside the checkpoint directory."""
 
     @abstractmethod
     def rename(self, src: str, dst: str, sync_dir: bool = True) -> None:
@@ -202,6 +253,13 @@ class Storage(ABC):
         with self.open_read(name) as f:
             return f.read()
 
+    def write_small(self, name: str, data: bytes) -> None:
+        """Write a small new file ``name`` (any relative path) and sync it (not atomic: for notes)."""
+        with self.open_write(name) as f:
+            f.write(data)
+            f.flush()
+            self.sync_file(f)
+
     def file_crc32(self, name: str) -> int:
         """CRC32 of every byte of file ``name``."""
         crc = 0
@@ -259,6 +317,14 @@ class Storage(ABC):
             for rel, size in record.files.items():
                 if sizes.get(rel) != size:
                     return f"{rel}: size {sizes.get(rel)} != {size}"
+            if deep:
+                for rel, committed in sorted(record.crcs.items()):
+                    try:
+                        crc = self.file_crc32(f"{name}/{rel}")
+                    except OSError as err:
+                        return f"{rel}: unreadable: {err}"
+                    if crc != committed:
+                        return f"{rel}: CRC32 {crc:#010x} != committed {committed:#010x}"
             return None
         try:
             size = self.size(name)
@@ -274,17 +340,28 @@ class Storage(ABC):
             return None if crc == record.crc32 else f"CRC32 {crc:#010x} != committed {record.crc32:#010x}"
         return self.archive_problem(record, deep)
 
-    def records(self) -> Iterator[tuple[Record | None, str]]:
-        """Every commit marker in the directory: ``(record, marker name)``; ``record`` is None when unreadable."""
+    def markers(self) -> Iterator[tuple[Record | None, str, str | None]]:
+        """Every commit marker in the directory: ``(record, marker name, problem)``.
+
+        ``record`` is None when the marker cannot be read, is not a marker of a known format, has a field
+        of the wrong type, or names another checkpoint; ``problem`` then says which.
+        """
         for entry in self.listdir():
             if not entry.endswith(COMMIT_SUFFIX) or entry.startswith(TMP_PREFIX):
                 continue
             try:
                 record: Record | None = Record.from_json(self.read_bytes(entry))
-            except (OSError, ValueError, TypeError):
-                record = None
+                problem = None
+            except (OSError, ValueError, TypeError) as err:
+                record, problem = None, f"unreadable commit marker: {err}"
             if record is not None and record.name + COMMIT_SUFFIX != entry:
+                problem = f"commit marker names another checkpoint ({record.name!r})"
                 record = None
+            yield record, entry, problem
+
+    def records(self) -> Iterator[tuple[Record | None, str]]:
+        """Every commit marker in the directory: ``(record, marker name)``; ``record`` is None when unreadable."""
+        for record, entry, _problem in self.markers():
             yield record, entry
 
     def find_committed(self, deep: bool = False) -> list[Record]:
@@ -293,29 +370,73 @@ class Storage(ABC):
         out.sort(key=order)
         return out
 
-    def clean_leftovers(self, names: re.Pattern[str] = NAME_RE) -> list[str]:
-        """Remove what a crash can leave behind; return the removed names.
+    def quarantine(self, name: str, reason: str) -> str:
+        """Move checkpoint ``name`` (its data and its marker, whichever exist) aside; return where it went.
 
-        Removes temporary entries, data that was never committed, unreadable markers, and markers whose
-        data is missing or does not match. Only names this module creates are touched: uncommitted data
-        only when its name matches ``names`` (the pattern of the callback's :class:`NameTemplate`).
+        It goes to ``quarantine/NAME`` (``quarantine/NAME.1``, ... when that is taken) with
+        :data:`REASON_FILE` saying why; nothing is deleted. The data moves first: a crash in between leaves
+        a marker without data, which the next start removes (the data is safe in the quarantine).
+        """
+        taken = set(self.listdir_of(QUARANTINE))
+        folder_name, n = name, 0
+        while folder_name in taken:
+            n += 1
+            folder_name = f"{name}.{n}"
+        folder = f"{QUARANTINE}/{folder_name}"
+        self.mkdir(folder)
+        for entry in (name, name + COMMIT_SUFFIX):
+            if self.exists(entry):
+                self.rename(entry, f"{folder}/{entry}", sync_dir=False)
+        self.write_small(f"{folder}/{REASON_FILE}", (reason.rstrip() + "\n").encode())
+        self.fsync_tree(folder)  # the folder's entries (its files are synced already: cheap)
+        self.fsync_dir()
+        return self.path(folder)
+
+    def listdir_of(self, name: str) -> list[str]:
+        """Entry names in the sub-directory ``name`` (empty when it does not exist)."""
+        try:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self._listdir_path(name))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    @abstractmethod
+    def _listdir_path(self, name: str) -> list[str]:
+        """Entries of sub-directory ``name`` (raises FileNotFoundError when missing)."""
+
+    def clean_leftovers(self, names: re.Pattern[str] = NAME_RE) -> Cleanup:
+        """Clean what a crash can leave behind, and move damaged committed checkpoints aside.
+
+        Removes temporary entries, data that was never committed (only when its name matches ``names``,
+        the pattern of the callback's :class:`NameTemplate`: anything else is left alone), and markers
+        whose data is missing (an interrupted save or delete). A marker that cannot be read (or has a field
+        of the wrong type), or whose data does not match it (size, archive directory), is a committed
+        checkpoint gone bad: both are moved to the quarantine (:meth:`quarantine`), never deleted.
+        The ``quarantine`` folder itself is never touched.
         """
         entries = self.listdir()
-        removed: list[str] = []
+        done = Cleanup()
         committed: set[str] = set()
-        for record, marker in list(self.records()):
-            if record is None or self.check(record) is not None:
-                self.remove(marker)
-                removed.append(marker)
-            else:
-                committed.add(record.name)
+        for record, marker, problem in list(self.markers()):
+            if record is not None:
+                if not self.exists(record.name):
+                    self.remove(marker)
+                    done.orphans.append(marker)
+                    continue
+                problem = self.check(record)
+                if problem is None:
+                    committed.add(record.name)
+                    continue
+            name = marker[: -len(COMMIT_SUFFIX)]
+            committed.add(name)  # moved with its marker, not removed as uncommitted data
+            where = self.quarantine(name, f"{problem}\nfound when cleaning up the directory at the start of fit")
+            done.quarantined.append((name, str(problem), where))
         for entry in entries:
             if entry.startswith(TMP_PREFIX) or (names.match(entry) and entry not in committed):
                 self.remove(entry)
-                removed.append(entry)
-        if removed:
+                done.uncommitted.append(entry)
+        if done.uncommitted or done.orphans:
             self.fsync_dir()
-        return removed
+        return done
 
 
 def _write_bytes(target: Any, data: bytes) -> None:

@@ -60,6 +60,14 @@ class FsspecStorage(Storage):
     def read_bytes(self, name: str) -> bytes:
         return bytes(self._fs.cat_file(self.path(name)))
 
+    def mkdir(self, name: str) -> None:
+        self._fs.makedirs(self.path(name), exist_ok=True)
+
+    def _listdir_path(self, name: str) -> list[str]:
+        if not self._fs.isdir(self.path(name)):
+            raise FileNotFoundError(self.path(name))
+        return [str(p) for p in self._fs.ls(self.path(name), detail=False)]
+
     def rename(self, src: str, dst: str, sync_dir: bool = True) -> None:
         self._fs.mv(self.path(src), self.path(dst), recursive=True)
 

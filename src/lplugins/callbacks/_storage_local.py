@@ -23,6 +23,8 @@ class LocalStorage(Storage):
         dirpath: The checkpoint directory.
     """
 
+    parallel_reads = True
+
     def __init__(self, dirpath: str) -> None:
         super().__init__(dirpath)
         self._dir = self.dirpath[len("file://") :] if self.dirpath.startswith("file://") else self.dirpath
@@ -62,6 +64,12 @@ class LocalStorage(Storage):
 
     def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return open(self.path(name), "xb")  # "x": never overwrite anything in place
+
+    def mkdir(self, name: str) -> None:
+        os.makedirs(self.path(name), exist_ok=True)
+
+    def _listdir_path(self, name: str) -> list[str]:
+        return os.listdir(self.path(name))
 
     def rename(self, src: str, dst: str, sync_dir: bool = True) -> None:
         if os.path.lexists(self.path(dst)):

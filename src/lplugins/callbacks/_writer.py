@@ -12,15 +12,20 @@ together, so no rank is left waiting in a collective; the checkpoints committed 
 
 from __future__ import annotations
 
+import errno
+import os
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from lplugins.callbacks._collective import any_rank
+from lplugins.callbacks._collective import agree_on_failure
 from lplugins.callbacks._errors import CheckpointWriteError
 from lplugins.callbacks._record import TMP_PREFIX, Record, now
 from lplugins.callbacks._resume import SafeResumeIO
 from lplugins.callbacks._retention import Ledger
 from lplugins.callbacks._serialization import can_skip_zip_crc, cpu_storages, torch_save
+from lplugins.callbacks._storage import Storage
+from lplugins.callbacks._verify import crc32_of
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -42,6 +47,15 @@ class CheckpointWriter(ABC):
         self.ledger = ledger
         self.storage = ledger.storage
         self.crc32 = crc32
+        #: What every commit marker records about the run that saved it (set by :meth:`describe`).
+        self.world_size = 0
+        self.strategy = ""
+
+    def describe(self, trainer: Trainer) -> CheckpointWriter:
+        """Record ``trainer``'s world size and strategy class in every marker from now on."""
+        self.world_size = trainer.world_size
+        self.strategy = type(trainer.strategy).__name__
+        return self
 
     @abstractmethod
     def save(self, trainer: Trainer, checkpoint: dict[str, Any], record: Record) -> None:
@@ -67,11 +81,20 @@ class CheckpointWriter(ABC):
         """Wait for the writes in flight on this rank."""
 
     def finish(self, trainer: Trainer) -> None:
-        """Finish every save in flight (and retention's deletes); report a background failure on all ranks."""
+        """Finish every save in flight (and retention's deletes); report a background failure on all ranks.
+
+        The agreement is out of band (:func:`~lplugins.callbacks._collective.agree_on_failure`): the rank
+        whose write failed raises its error, the others a :class:`CheckpointWriteError` carrying it.
+        """
         self.flush()
         self.ledger.flush()
-        if any_rank(trainer, self.failed()):
-            self.raise_failure()
+        error: BaseException | None = None
+        if self.failed():
+            try:
+                self.raise_failure()
+            except BaseException as err:
+                error = err
+        agree_on_failure(trainer, error, "a background checkpoint write")
 
     def close(self) -> None:  # noqa: B027 -- nothing to stop unless the writer has a background thread
         """Commit what is queued, then stop any background thread (after an exception: no collective)."""
@@ -86,10 +109,15 @@ class CheckpointWriter(ABC):
         storage = self.storage
         path = storage.path(record.name)
         try:
+            # without the file's CRC32, torch's per-record CRC32s are kept: a resume can still check every byte
             record.crc32 = storage.write_stream(
-                record.name, lambda stream: torch_save(checkpoint, stream), self.crc32, cpu_storages(checkpoint)
+                record.name,
+                lambda stream: torch_save(checkpoint, stream, skip_zip_crc=self.crc32),
+                self.crc32,
+                cpu_storages(checkpoint),
             )
-            record.zip_crc = not can_skip_zip_crc()
+            record.zip_crc = not (self.crc32 and can_skip_zip_crc())
+            record.world_size, record.strategy = self.world_size, self.strategy
             record.size = storage.size(record.name)
             record.time, record.seq = now(), self.ledger.next_seq()
             storage.commit(record)
@@ -98,10 +126,29 @@ class CheckpointWriter(ABC):
             raise self.write_error(path, err) from err
         self.ledger.add(record)
 
-    def write_error(self, path: str, err: Exception) -> CheckpointWriteError:
-        """The error for a failed write of ``path``: what failed, and which checkpoints are intact."""
+    def write_error(self, path: str, err: BaseException) -> CheckpointWriteError:
+        """The error for a failed write of ``path``: what failed, and which checkpoints are intact.
+
+        When the failure comes from the operating system (anywhere in the exception chain: torch reports a
+        full disk as ``unexpected pos ...`` with the ``OSError`` chained), its message and the path come
+        first, e.g. ``No space left on device: /ckpts/step=...ckpt``, and the error carries its ``errno``.
+        """
         intact = self.ledger.names()
-        reason = getattr(err, "strerror", None) or (str(err).splitlines()[-1] if str(err) else "no message")
+        os_error = _os_error_in(err)
+        if os_error is not None:
+            reason = os_error.strerror or str(os_error)
+            hint = (
+                " Free space there (or lower keep_last) and restart."
+                if os_error.errno in (errno.ENOSPC, errno.EDQUOT)
+                else ""
+            )
+            error = CheckpointWriteError(
+                f"{reason}: {path} (writing the checkpoint failed: {type(os_error).__name__}"
+                f" [Errno {os_error.errno}]).{hint} The previous checkpoints are intact: {intact or 'none'}"
+            )
+            error.errno = os_error.errno  # (strerror and filename stay unset: str() is the message above)
+            return error
+        reason = str(err).splitlines()[-1] if str(err) else "no message"
         return CheckpointWriteError(
             f"Writing checkpoint {path} failed ({type(err).__name__}: {reason}). The previous checkpoints are"
             f" intact: {intact or 'none'}"
@@ -110,14 +157,18 @@ class CheckpointWriter(ABC):
     def agree_or_raise(
         self, trainer: Trainer, error: BaseException | None, record: Record, cleanup: str | None = None
     ) -> None:
-        """All ranks learn whether any rank failed; all raise together (no rank is left in a collective)."""
-        if not any_rank(trainer, error is not None):
-            return
-        if cleanup is not None and trainer.is_global_zero:
-            self.storage.remove(cleanup)
-        if error is not None:
-            raise error
-        raise CheckpointWriteError(f"Saving checkpoint {record.name} failed on another rank (see its error).")
+        """All ranks learn whether any rank failed; all raise together, every rank with the real error.
+
+        Out of band (the process group's store, :func:`~lplugins.callbacks._collective.agree_on_failure`):
+        it cannot pair with a collective the strategy runs inside its save, so a rank stuck in one
+        (DeepSpeed's final barrier, when rank 0's part raised) does not hang the job.
+        """
+        try:
+            agree_on_failure(trainer, error, f"saving checkpoint {record.name}")
+        except BaseException:
+            if cleanup is not None and trainer.is_global_zero:
+                self.storage.remove(cleanup)
+            raise
 
 
 class SyncWriter(CheckpointWriter):
@@ -149,10 +200,15 @@ class StrategyWriter(CheckpointWriter):
         self.agree_or_raise(trainer, error, record, cleanup=tmp)
         if trainer.is_global_zero:
             try:
+                record.world_size, record.strategy = self.world_size, self.strategy
                 if storage.isdir(tmp):
                     record.kind, record.files = "dir", storage.tree_sizes(tmp)
+                    if self.crc32:
+                        record.crcs = tree_crc32s(storage, tmp, list(record.files))
                 else:
                     record.size = storage.size(tmp)
+                    if self.crc32:
+                        record.crc32 = storage.file_crc32(tmp)
                 storage.rename(tmp, record.name, sync_dir=False)
                 record.time, record.seq = now(), self.ledger.next_seq()
                 storage.commit(record)
@@ -163,6 +219,26 @@ class StrategyWriter(CheckpointWriter):
         self.agree_or_raise(trainer, error, record)
         if trainer.is_global_zero:
             self.ledger.add(record)
+
+
+def tree_crc32s(storage: Storage, top: str, files: list[str]) -> dict[str, int]:
+    """The CRC32 of each of ``files`` under directory ``top``, hashed on up to 4 threads (zlib releases the GIL)."""
+    workers = max(1, min(4, len(files), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="lplugins-checkpoint-crc32") as pool:
+        crcs = list(pool.map(lambda rel: crc32_of(storage, f"{top}/{rel}", threads=1), files))
+    return dict(zip(files, crcs, strict=True))
+
+
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The first ``OSError`` with an ``errno`` in ``err``'s chain (itself, ``__cause__``, then ``__context__``)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def writes_itself(trainer: Trainer) -> bool:

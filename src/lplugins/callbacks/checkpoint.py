@@ -23,13 +23,14 @@ from lplugins._log import announce
 from lplugins.callbacks import _rng
 from lplugins.callbacks._async import AsyncWriter
 from lplugins.callbacks._collective import broadcast, gather, reduce_max, writable_on_every_rank
-from lplugins.callbacks._config import CheckpointConfig, ConfigField
+from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
 from lplugins.callbacks._errors import CheckpointConfigError
+from lplugins.callbacks._position import DataPosition
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
 from lplugins.callbacks._resume import LatestResolver, understand_ckpt_path
 from lplugins.callbacks._retention import Ledger
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storage import canonical_dirpath, open_storage
 from lplugins.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, writes_itself
 
 __all__ = ["DurableCheckpoint", "request_checkpoint"]
@@ -68,16 +69,22 @@ class DurableCheckpoint(Checkpoint):
             waits for the oldest to finish.
         preemption_signals: Signals that trigger one coordinated save and a clean exit (any rank may
             receive them). Empty to disable. The previous handlers are restored when training ends.
+            ``SIGKILL`` and ``SIGSTOP`` cannot be caught and are refused. With no interval, no
+            ``save_on_train_end`` and no signal, the callback saves only on ``request_checkpoint`` (said
+            at train start; a fit that saved nothing warns).
         preemption_exit_code: Exit code after a preemption save (``SystemExit`` on every rank);
             ``None`` stops training normally instead (``trainer.should_stop``) and sets ``preempted``.
         slurm_requeue: After a preemption save, run ``scontrol requeue $SLURM_JOB_ID`` from rank 0
             when running under SLURM.
         crc32: Compute the CRC32 of the whole checkpoint file while writing it (on a second thread,
-            overlapped with the write) and keep it in the commit marker, where ``verify="deep"`` checks
-            it. torch's own per-record archive CRC32s are not computed either way (``torch.load`` does
-            not check them); torch's process-wide switch for them is off during the write.
-        verify: ``"quick"`` (size and archive directory) or ``"deep"`` (every byte against the CRC32)
-            check of a candidate when resolving ``"latest"``.
+            overlapped with the write; for a directory checkpoint, of each file at the commit) and keep
+            it in the commit marker, where every resume checks it. torch's own per-record archive
+            CRC32s are then not computed (``torch.load`` does not check them; torch's process-wide switch
+            for them is off during the write); with ``False`` they are, and a resume checks those.
+        verify: Every resumed byte is checked against the commit marker's CRC32s either way (a damaged
+            checkpoint is skipped by ``"latest"`` and quarantined): ``"quick"`` checks while loading (on
+            a second thread, no real cost), ``"deep"`` before loading (a second read; a strategy that
+            loads into the model in place then never sees a damaged byte).
         filename: A Lightning-style name template, e.g. ``"{epoch}-{step}-{val_loss:.3f}"``: ``{epoch}`` (the
             0-based epoch of the saved step), ``{step}`` (the global step) and logged metrics (from
             ``trainer.callback_metrics``; ``nan`` when not logged yet), with format specs. ``.ckpt`` is
@@ -94,7 +101,9 @@ class DurableCheckpoint(Checkpoint):
 
     Raises:
         CheckpointConfigError: (a ``ValueError``) an interval, ``keep_last``, ``keep_top``, ``max_in_flight``,
-            ``mode``, ``monitor``, ``verify``, ``filename`` or a signal is invalid (the message names the argument).
+            ``mode``, ``monitor``, ``verify``, ``filename``, ``dirpath`` (empty or not a path), a bool argument
+            that is not a real ``bool``, or a signal is invalid or cannot be caught (``SIGKILL``, ``SIGSTOP``);
+            the message names the argument.
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -150,8 +159,9 @@ class DurableCheckpoint(Checkpoint):
             preemption_exit_code=preemption_exit_code, slurm_requeue=slurm_requeue, verify=verify, crc32=crc32,
             filename=filename, auto_insert_metric_name=auto_insert_metric_name,
         )  # fmt: skip
-        self.dirpath = os.fspath(dirpath) if dirpath is not None else None
-        self._state_key = _lightning.callback_state_key(self, dirpath=self.dirpath)
+        self.dirpath = check_dirpath(dirpath)
+        # the directory as one spelling: restarting with ``ckpts/`` for ``ckpts`` still restores this state
+        self._state_key = _lightning.callback_state_key(self, dirpath=canonical_dirpath(self.dirpath))
         self.preempted = False
         self.save_stalls: list[float] = []
         self._ledger: Ledger | None = None
@@ -165,6 +175,9 @@ class DurableCheckpoint(Checkpoint):
         self._saving_step = -1  # the global step being saved (state_dict records it), -1 outside a save
         self._last_save_time = 0.0
         self._rng_states: list[dict[str, Any]] | None = None  # every rank's RNG states, during a save
+        self._positions: list[dict[str, Any]] | None = None  # every rank's data position, during a save
+        self._position = DataPosition()  # where in the epoch the data is: recorded, saved, replayed
+        self._saves_before_fit = 0  # len(save_stalls) when this fit started training
         self._unlogged: set[str] = set()  # template metrics warned about as not logged
 
     # ---------------------------------------------------------------------------------- public API
@@ -198,6 +211,7 @@ class DurableCheckpoint(Checkpoint):
             self._ledger = Ledger(storage, self.config.retention)
         if self._resolver is None or self._resolver.trainer is not trainer:
             self._resolver = LatestResolver(trainer, dirpath, deep=self.config.verify == "deep")
+        self._resolver.forget = self._ledger.forget  # a checkpoint quarantined at load leaves the ledger
         self._resolver.install()
         understand_ckpt_path(
             trainer, DurableCheckpoint
@@ -206,13 +220,28 @@ class DurableCheckpoint(Checkpoint):
             return
         writable_on_every_rank(trainer, storage)
         if trainer.is_global_zero:
-            removed = storage.clean_leftovers(self.config.names.pattern)
-            if removed:
-                shown = ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+
+            def _listing(names: list[str]) -> str:
+                return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+            done = storage.clean_leftovers(self.config.names.pattern)
+            if done.uncommitted:
                 announce(
-                    "lplugins: DurableCheckpoint removed %d uncommitted or damaged leftover(s) in %s (never resumed"
-                    " from): %s",
-                    len(removed), dirpath, shown,
+                    "lplugins: DurableCheckpoint removed %d uncommitted leftover(s) of interrupted saves in %s (never"
+                    " committed, never resumed from): %s",
+                    len(done.uncommitted), dirpath, _listing(done.uncommitted),
+                )  # fmt: skip
+            if done.orphans:
+                announce(
+                    "lplugins: DurableCheckpoint removed %d commit marker(s) whose data is gone (an interrupted save"
+                    " or delete) in %s: %s",
+                    len(done.orphans), dirpath, _listing(done.orphans),
+                )  # fmt: skip
+            for name, reason, where in done.quarantined:
+                announce(
+                    "lplugins: DurableCheckpoint: committed checkpoint %s is damaged (%s): moved to %s (kept for"
+                    " inspection, never resumed from)",
+                    name, reason, where,
                 )  # fmt: skip
             self._ledger.open()  # retention deletes old checkpoints off the training thread
         trainer.strategy.barrier("DurableCheckpoint.setup")
@@ -227,10 +256,13 @@ class DurableCheckpoint(Checkpoint):
                     f"DurableCheckpoint(async_save=True): {type(trainer.strategy).__name__} writes its own"
                     " checkpoints; saving synchronously."
                 )
-            return StrategyWriter(ledger, self.config.crc32)
+            return StrategyWriter(ledger, self.config.crc32).describe(trainer)
         if self.config.async_save:
-            return AsyncWriter(ledger, self.config.crc32, self.config.max_in_flight, writes=trainer.is_global_zero)
-        return SyncWriter(ledger, self.config.crc32)
+            writer: CheckpointWriter = AsyncWriter(
+                ledger, self.config.crc32, self.config.max_in_flight, writes=trainer.is_global_zero
+            )
+            return writer.describe(trainer)
+        return SyncWriter(ledger, self.config.crc32).describe(trainer)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -241,6 +273,30 @@ class DurableCheckpoint(Checkpoint):
         # window run at the same global step and must not look like a new boundary (no save mid-window).
         self._boundary_step = trainer.global_step
         self._boundary_epoch = trainer.current_epoch
+        self._position.on_train_start(trainer)  # after a mid-epoch restore: same samples, same order
+        self._saves_before_fit = len(self.save_stalls)
+        if not self.config.automatic_triggers:
+            announce(
+                "lplugins: DurableCheckpoint(%s) has no automatic trigger (every_n_steps, every_n_seconds and"
+                " every_n_epochs are None, save_on_train_end=False, preemption_signals=()): it saves only when"
+                " request_checkpoint(trainer) is called.",
+                self.dirpath,
+            )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # before the fit loop builds the training dataloaders and their first iterators
+        self._position.attach(trainer)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._position.detach()  # the user's DataLoaders and the strategy as they were
+        if not self.config.automatic_triggers and len(self.save_stalls) == self._saves_before_fit:
+            rank_zero_warn(
+                f"DurableCheckpoint({self.dirpath}) saved nothing in this fit: it has no automatic trigger and"
+                " request_checkpoint(trainer) was never called. Set every_n_steps/every_n_seconds/every_n_epochs"
+                " or save_on_train_end=True to save without requests."
+            )
 
     # ---------------------------------------------------------------------------------- triggers
     @override
@@ -317,8 +373,9 @@ class DurableCheckpoint(Checkpoint):
     # ---------------------------------------------------------------------------------- state
     @override
     def state_dict(self) -> dict[str, Any]:
+        # version 2 added "position" (every rank's data position; None outside this callback's saves)
         rng = self._rng_states if self._rng_states is not None else [_rng.capture()]
-        return {"version": 1, "rng": rng, "boundary_step": self._saving_step}
+        return {"version": 2, "rng": rng, "boundary_step": self._saving_step, "position": self._positions}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -330,6 +387,8 @@ class DurableCheckpoint(Checkpoint):
         states = state_dict.get("rng")
         if states:
             _rng.restore_this_rank(states)
+        # version 1 has no position: a mid-epoch resume of it continues as before (Lightning's fresh iterator)
+        self._position.load(state_dict.get("position"), states)
 
     # ---------------------------------------------------------------------------------- saving
     def _save(self, trainer: Trainer, reason: str) -> None:
@@ -361,13 +420,15 @@ class DurableCheckpoint(Checkpoint):
         return trainer.current_epoch
 
     def _dump(self, trainer: Trainer, step: int) -> dict[str, Any]:
-        """The checkpoint dict, with every rank's RNG states in this callback's state (a collective)."""
-        self._rng_states = gather(trainer, _rng.capture())
+        """The checkpoint dict, every rank's RNG states and data position in this callback's state (a collective)."""
+        gathered = gather(trainer, (_rng.capture(), self._position.state(trainer)))
+        self._rng_states = [rng for rng, _ in gathered]
+        self._positions = [position for _, position in gathered]
         self._saving_step = step
         try:
             return _lightning.checkpoint_dict(trainer)
         finally:
-            self._rng_states = None
+            self._rng_states = self._positions = None
             self._saving_step = -1
 
     def _complete_snapshot(self) -> None:

@@ -85,9 +85,11 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
     The DeepSpeed engine is ``strategy.deepspeed_engine`` once the Trainer has set up; use
     :meth:`set_gradient_accumulation_steps` to change accumulation during training.
 
-    Note:
-        Resuming reads the checkpoint with DeepSpeed's own loader, which unpickles with
-        ``torch.load(weights_only=False)``: resume only from checkpoints you trust.
+    Resuming reads every file of the checkpoint weights-only (torch's allow-list plus the few DeepSpeed
+    types a ZeRO checkpoint holds), on every rank, before anything is loaded: a checkpoint with any other
+    type raises ``lplugins.callbacks.UnsafeCheckpointError`` naming the file and the type, and nothing in it
+    runs. ``trainer.fit(..., weights_only=False)`` loads a checkpoint you trust with DeepSpeed's full
+    unpickling (one warning on rank zero). See ``docs/strategies.md``.
     """
 
     def __init__(
@@ -199,6 +201,19 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
         if module is not None and module.trainer.accumulate_grad_batches > 1:
             kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    # ------------------------------------------------------------------ resume
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's DeepSpeed load, with every file read weights-only unless ``weights_only=False``.
+
+        Raises:
+            UnsafeCheckpointError: a file of the checkpoint holds a type outside the allow-list (named).
+        """
+        checkpoint: dict[str, Any] = _lightning.load_weights_only(
+            self, super().load_checkpoint, checkpoint_path, weights_only
+        )
+        return checkpoint
 
     # ------------------------------------------------------------------ config
     @override

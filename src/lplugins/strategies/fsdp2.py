@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from typing_extensions import override
 
 from lplugins import _lightning
 from lplugins._errors import LPluginsError
@@ -49,6 +50,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         timeout: Process-group timeout in seconds or a ``timedelta``; default ``LPLUGINS_PG_TIMEOUT``,
             then 30 minutes.
         **kwargs: Passed to Lightning's ``ModelParallelStrategy`` (e.g. ``process_group_backend``).
+
+    Resuming reads the checkpoint weights-only, the ``.metadata`` of a sharded one included (torch reads it
+    with plain ``pickle``; here a restricted unpickler allows only its metadata classes): a checkpoint with
+    any other type raises ``lplugins.callbacks.UnsafeCheckpointError`` naming the file and the type.
+    ``trainer.fit(..., weights_only=False)`` loads a checkpoint you trust in full (one warning on rank zero).
 
     Raises:
         LPluginsError: ``shard`` is not a sequence of ``nn.Module`` subclasses, or the timeout is invalid.
@@ -100,6 +106,18 @@ class FSDP2Strategy(ModelParallelStrategy):
         finally:
             del module.configure_model
         self.sharded_units = units
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, weights-only unless ``weights_only=False``; a sharded checkpoint's ``.metadata`` too.
+
+        Raises:
+            UnsafeCheckpointError: the checkpoint holds a type outside the allow-list (file and type named).
+        """
+        checkpoint: dict[str, Any] = _lightning.load_weights_only(
+            self, super().load_checkpoint, checkpoint_path, weights_only
+        )
+        return checkpoint
 
 
 def _sharded_by_strategy() -> None:

@@ -1,0 +1,224 @@
+"""The collective watchdog: the guide's plain rank-zero deadlocks become an error naming the collective and the line.
+
+Real 2-process gloo jobs on a plain ``lightning.pytorch.Trainer`` (lplugins installed, nothing else
+asked of it). The process-group timeout is 600 s and each test's timeout far below it, so a pass is
+the watchdog's doing, not gloo's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from lplugins import _watchdog
+from lplugins._env import COLLECTIVE_TIMEOUT, env_seconds
+from lplugins._errors import LPluginsError
+from tests._dist import run_script
+
+#: Starts two ranks as separate processes (as torchrun does: no launcher that kills the others), each
+#: logging to rankN.log; the job's own deadline keeps a hang from outliving the test.
+LAUNCH = r"""
+import json, os, subprocess, sys, time
+if "LOCAL_RANK" not in os.environ:
+    start = time.time()
+    procs = [
+        subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], stdout=open(f"rank{r}.log", "w"),
+                         stderr=subprocess.STDOUT,
+                         env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "NODE_RANK": "0"})
+        for r in range(2)
+    ]
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, start + float(os.environ["JOB_DEADLINE"]) - time.time())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:
+        p.kill()
+    json.dump({"codes": codes, "seconds": time.time() - start}, open("launch.json", "w"))
+    sys.exit(0)
+"""
+
+DEADLOCK = (
+    LAUNCH
+    + r"""
+import time
+from datetime import timedelta
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from tests.models import Regression, regression_loader
+
+MODE = sys.argv[1]
+RANK = int(os.environ["RANK"])
+
+
+class Model(Regression):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if MODE == "slow" and batch_idx == 2:
+            if self.trainer.is_global_zero:
+                time.sleep(15)
+            torch.distributed.barrier()  # every rank: slow, not wrong
+        if batch_idx == 2 and self.trainer.is_global_zero:
+            if MODE == "save":
+                self.trainer.save_checkpoint("model.ckpt")  # LINE save
+            elif MODE == "barrier":
+                torch.distributed.barrier()  # LINE barrier
+            elif MODE == "log":
+                self.log("loss_synced", loss.detach(), sync_dist=True)  # LINE log
+        return loss
+
+
+start = time.time()
+out = {"rank": RANK}
+try:
+    trainer = pl.Trainer(strategy=DDPStrategy(timeout=timedelta(seconds=600)), accelerator="cpu", devices=2,
+                         max_steps=6, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+    trainer.fit(Model(8, (16,)), regression_loader(64, features=8, batch_size=4))
+    out["ok"] = True
+except BaseException as err:
+    out.update(error=f"{type(err).__name__}: {err}", notes=list(getattr(err, "__notes__", [])))
+    raise
+finally:
+    out["seconds"] = time.time() - start
+    with open(f"out{RANK}.json", "w") as f:
+        json.dump(out, f)
+"""
+)
+
+
+def _run(tmp_path: Path, mode: str, deadline: float, timeout: str = "10") -> tuple[dict, list[str], list[dict | None]]:
+    env = {COLLECTIVE_TIMEOUT: timeout, "JOB_DEADLINE": str(deadline)}
+    run_script(DEADLOCK, tmp_path, timeout=deadline + 60, env=env, args=[mode]).check()
+    launch = json.loads((tmp_path / "launch.json").read_text())
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    outs = [json.loads(p.read_text()) if (p := tmp_path / f"out{r}.json").exists() else None for r in range(2)]
+    return launch, logs, outs
+
+
+def _line(marker: str) -> str:
+    """``job.py:N`` of the line of DEADLOCK that carries ``# LINE marker``."""
+    for number, line in enumerate(DEADLOCK.splitlines(), start=1):
+        if line.endswith(f"# LINE {marker}"):
+            return f"job.py:{number}"
+    raise AssertionError(marker)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("mode", "collective"),
+    [
+        ("save", "torch.distributed.barrier() in DDPStrategy.barrier (through Trainer.save_checkpoint)"),
+        ("barrier", "torch.distributed.barrier()"),
+        ("log", "self.log('loss_synced', ...)"),
+    ],
+)
+def test_plain_rank_zero_deadlock_is_an_error_on_every_rank(tmp_path: Path, mode: str, collective: str) -> None:
+    launch, logs, outs = _run(tmp_path, mode, deadline=120)
+    assert None not in launch["codes"], f"the job hung: {launch}\n{logs}"
+    assert all(code != 0 for code in launch["codes"]), launch
+    for rank, log in enumerate(logs):
+        assert "collective mismatch" in log, f"rank {rank}:\n{log}"
+        report = log[log.index("collective mismatch") :]
+        assert collective in report, report
+        assert _line(mode) in report, report  # rank 0's user line, named on every rank
+    # the rank that was not stopped failed with an exception that carries the report
+    raised = [o for o in outs if o is not None and "error" in o]
+    assert raised, outs
+    assert any("collective mismatch" in note for o in raised for note in o["notes"]), raised
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_slow_rank_is_not_a_mismatch(tmp_path: Path) -> None:
+    launch, logs, outs = _run(tmp_path, "slow", deadline=150, timeout="5")
+    assert launch["codes"] == [0, 0], (launch, logs)
+    assert all(o is not None and o.get("ok") for o in outs), outs
+    assert not any("collective mismatch" in log for log in logs), logs
+    assert "collective watchdog on" in logs[0]  # announced once, on rank zero
+    assert "collective watchdog on" not in logs[1]
+
+
+# ----------------------------------------------------------------------------- single process
+def test_timeout_variable_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _watchdog.TIMEOUT_VAR == COLLECTIVE_TIMEOUT
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT, "soon")
+    with pytest.raises(LPluginsError, match=r"LPLUGINS_COLLECTIVE_TIMEOUT='soon' is not a number of seconds"):
+        env_seconds(COLLECTIVE_TIMEOUT, 30)
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT, "-1")
+    with pytest.raises(LPluginsError, match=r"use a number >= 0 \(0 turns it off\)"):
+        env_seconds(COLLECTIVE_TIMEOUT, 30)
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT, "0")
+    assert env_seconds(COLLECTIVE_TIMEOUT, 30) == 0
+    monkeypatch.delenv(COLLECTIVE_TIMEOUT)
+    assert env_seconds(COLLECTIVE_TIMEOUT, 30) == 30
+
+
+def test_bad_timeout_is_refused_when_the_trainer_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch import Trainer
+
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT, "nan")
+    with pytest.raises(LPluginsError, match="LPLUGINS_COLLECTIVE_TIMEOUT='nan'"):
+        Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+
+
+def test_classify_names_the_collective_and_the_user_line() -> None:
+    import sys
+
+    import torch.distributed.distributed_c10d as c10d
+
+    # a function named like a collective, compiled as if it were in torch.distributed: blocks until released
+    namespace: dict = {}
+    exec(
+        compile("def barrier(entered, release):\n    entered.set()\n    release.wait(10)\n", c10d.__file__, "exec"),
+        namespace,
+    )
+    entered, release = threading.Event(), threading.Event()
+
+    def user_code() -> None:
+        namespace["barrier"](entered, release)  # the user's line
+
+    worker = threading.Thread(target=user_code)
+    worker.start()
+    try:
+        assert entered.wait(10)
+        where = _watchdog.classify(sys._current_frames()[worker.ident])  # type: ignore[index]
+    finally:
+        release.set()
+        worker.join()
+    assert where.kind == "collective" and where.op == "torch.distributed.barrier()"
+    assert where.site.endswith(f"test_watchdog.py:{user_code.__code__.co_firstlineno + 1}")
+    assert where.describe() == f"torch.distributed.barrier() at {where.site}"
+    assert _watchdog.classify(None) == _watchdog.Where("run")
+
+
+def test_board_agrees_through_the_store_and_lets_the_group_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from tests._dist import free_port
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        board = _watchdog.Board(dist.group.WORLD)
+        assert board.is_for(dist.group.WORLD)
+        assert board.agree(None, "a save", wait=5).failures == []
+        failed = board.agree("TypeError: cannot pickle 'x'", "a save", wait=5)
+        assert failed.failures == [(0, "TypeError: cannot pickle 'x'")] and failed.first == 0
+        assert board.failure_text() == "rank 0 failed in a save: TypeError: cannot pickle 'x'"
+    finally:
+        dist.destroy_process_group()
+    # the board holds neither the group nor its store: a new group can take the same port at once
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        assert not board.is_for(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
