@@ -17,6 +17,7 @@ the function from the module that needs it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -248,6 +249,32 @@ LITLOGGER_TIP = (
     " try installing [litlogger](https://pypi.org/project/litlogger/) to enable LitLogger,"
     " which logs metrics and artifacts automatically to the Lightning Experiments platform."
 )
+
+
+#: The start of Lightning's warning after a mid-epoch restore (2.6.x), wrong when lplugins restored the position.
+NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def hide_lightning_warning(message_start: str) -> Callable[[], None]:
+    """Keep Lightning from warning a message that starts with ``message_start``; returns the undo.
+
+    A ``warnings`` filter, removed again by the undo (so it never hides the same warning in a later fit
+    where it applies).
+    """
+    import re
+    import warnings
+
+    warnings.filterwarnings("ignore", message=re.escape(message_start))
+    entry = warnings.filters[0]
+
+    def undo() -> None:
+        with contextlib.suppress(ValueError):
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at runtime
+            mutated = getattr(warnings, "_filters_mutated", None)  # CPython: drop the per-module caches
+            if mutated is not None:
+                mutated()
+
+    return undo
 
 
 def hide_lightning_info(message: str) -> Callable[[], None]:

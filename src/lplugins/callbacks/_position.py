@@ -341,10 +341,11 @@ class DataPosition:
             announce("lplugins: DurableCheckpoint: %s; the train dataloader restores its own position.%s", where, ahead)
         else:
             announce(
-                "lplugins: DurableCheckpoint: %s, same order (the %d trained batches are skipped as indices;"
-                " Lightning's warning that the dataloader is not resumable does not apply).",
+                "lplugins: DurableCheckpoint: %s, same order (the %d trained batches are skipped as indices).",
                 where, batch,
             )  # fmt: skip
+            # Lightning's "your dataloader is not resumable" would now be wrong: kept off until the fit ends
+            self._undo.append(_lightning.hide_lightning_warning(_lightning.NOT_RESUMABLE_WARNING))
 
 
 def _wrapper_of(loader: Any) -> PositionedSampler | None:
