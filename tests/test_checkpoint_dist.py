@@ -173,6 +173,12 @@ def test_sigkill_during_saves_always_resumes(tmp_path: Path) -> None:
     assert tally["max_steps_lost_sync"] <= tally["save_interval_steps"]
     assert tally["max_steps_lost_async"] <= tally["save_interval_steps"] * (1 + tally["max_in_flight"])
     assert tally["kills_during_save"] >= 1
+    # damaged or planted newest checkpoints between kills: never loaded, never run, always set aside
+    assert tally["flips"] + tally["payloads"] >= 1
+    assert tally["resumed_good"] == tally["damaged_restarts"]
+    assert tally["damaged_loaded"] == 0 and tally["payloads_run"] == 0
+    assert tally["quarantined"] == tally["flips"] and tally["payloads_refused"] == tally["payloads"]
+    assert tally["weights_differ"] == 0
     assert sys.executable  # the driver used this interpreter
 
 

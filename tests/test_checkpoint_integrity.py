@@ -89,12 +89,19 @@ def damage(path: Path, where: str) -> None:
     elif where == "zip directory":
         at = path.read_bytes().rfind(b"PK\x01\x02")  # the last central directory entry
         flip(path, [at + 20, at + 42])  # its compressed size and its local header offset
+    elif where in ("zip name", "zip version"):  # zipfile raises UnicodeDecodeError / NotImplementedError here
+        data = bytearray(path.read_bytes())
+        at = data.rfind(b"PK\x01\x02")
+        data[at + 46 + 3 if where == "zip name" else at + 6] = 0x97 if where == "zip name" else 0xF1
+        path.write_bytes(bytes(data))
     else:  # 16 random bytes anywhere
         flip(path, random.Random(where).sample(range(size), 16))
 
 
 # ------------------------------------------------------------------------------------------ damaged bytes
-@pytest.mark.parametrize("where", ["tensor", "data.pkl", "zip directory", "random-1", "random-2", "random-3"])
+@pytest.mark.parametrize(
+    "where", ["tensor", "data.pkl", "zip directory", "zip name", "zip version", "random-1", "random-2", "random-3"]
+)
 def test_damaged_newest_is_never_resumed_latest_falls_back_and_quarantines_it(
     tmp_path: Path, where: str, caplog_info: pytest.LogCaptureFixture
 ) -> None:

@@ -126,8 +126,9 @@ class LocalStorage(Storage):
             with zipfile.ZipFile(self.path(record.name)) as zf:
                 if deep and record.zip_crc and (bad := zf.testzip()) is not None:
                     return f"CRC mismatch in {bad}"
-        except (zipfile.BadZipFile, OSError) as err:
-            return f"not a readable checkpoint archive: {err}"
+        except Exception as err:  # a damaged zip directory raises BadZipFile, UnicodeDecodeError (a
+            # file name), NotImplementedError (a version byte), EOFError, ValueError, ...: each is "damaged"
+            return f"not a readable checkpoint archive: {type(err).__name__}: {err}"
         return None
 
 

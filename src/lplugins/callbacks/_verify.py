@@ -116,10 +116,16 @@ def bytes_problem(storage: Storage, record: Record, rank: int = 0, world: int = 
             crc = crc32_of(storage, record.name)
             return None if crc == record.crc32 else f"CRC32 {crc:#010x} != committed {record.crc32:#010x}"
         if record.zip_crc:
-            with storage.open_read(record.name) as f, zipfile.ZipFile(f) as zf:
-                bad = zf.testzip()
+            with storage.open_read(record.name) as f:
+                try:
+                    with zipfile.ZipFile(f) as zf:
+                        bad = zf.testzip()
+                except OSError:
+                    raise
+                except Exception as err:  # zipfile raises many types for a damaged archive
+                    return f"damaged archive: {type(err).__name__}: {err}"
             return None if bad is None else f"archive CRC mismatch in {bad}"
-    except (OSError, zipfile.BadZipFile, EOFError) as err:
+    except OSError as err:
         return f"unreadable: {type(err).__name__}: {err}"
     return None
 
