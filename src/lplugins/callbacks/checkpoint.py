@@ -497,7 +497,10 @@ def request_checkpoint(trainer: Trainer) -> None:
     ranks save together. This replaces the pattern that deadlocks under DDP::
 
         if batch_idx % 1000 == 0 and self.trainer.is_global_zero:
-            self.trainer.save_checkpoint(...)  # deadlock: save_checkpoint is collective
+            self.trainer.save_checkpoint(...)  # save_checkpoint is collective: the other ranks never join
+
+    (With lplugins installed, the collective watchdog turns that hang into an error on every rank after
+    ``LPLUGINS_COLLECTIVE_TIMEOUT`` seconds, naming the call and the line; this function avoids it.)
 
     Raises:
         CheckpointConfigError: (a ``ValueError``) ``trainer`` has no ``DurableCheckpoint`` callback.
