@@ -89,7 +89,7 @@ def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, mo
 # ------------------------------------------------------------------------ docs/architecture.md
 SRC = DOCS.parent / "src" / "lplugins"
 COMPONENTS = ("callbacks", "accumulation", "precision", "strategies", "metrics")
-FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_exit", "_watchdog", "rankzero")
+FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_exit", "_watchdog", "rankzero", "_namespace")
 MACHINERY = ("_manager", "_discovery", "_env", "_hooks", "_mirror", "_registry", "hookspecs")
 
 

@@ -19,6 +19,7 @@ from lplugins._errors import (
     UnknownNameError,
 )
 from lplugins._manager import PluginInfo, PluginManager, PluginWarning, get_manager, load
+from lplugins._namespace import current as current_namespace
 from lplugins._registry import Component
 from lplugins.hookspecs import hookimpl
 
@@ -43,6 +44,7 @@ __all__ = [
     "attach",
     "compose",
     "compose_trainer",
+    "current_namespace",
     "get_manager",
     "hookimpl",
     "load",

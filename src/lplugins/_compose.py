@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from lplugins import _lightning, _pairs
+from lplugins import _lightning, _namespace, _pairs
 from lplugins._errors import CompositionError
 from lplugins._log import announce
 from lplugins._manager import PluginManager, get_manager
@@ -18,8 +18,13 @@ from lplugins.precision._auto import LIGHTNING_PRECISIONS, choose_precision, pro
 if TYPE_CHECKING:
     from lightning.pytorch import Callback, Trainer
 
+#: The Lightning namespace this module is written for (its twin ``lplugins._pl._compose`` serves the other).
+_OWN_NAMESPACE = _namespace.of_module(__name__)
 
-def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
+
+def compose(
+    *, manager: PluginManager | None = None, cpu_bf16: bool = False, namespace: str | None = None, **trainer_kwargs: Any
+) -> dict[str, Any]:
     """Turn Trainer keyword arguments that use lplugins names into ones the stock Trainer accepts.
 
     ``strategy``, ``precision``, ``accumulate_grad_batches``, ``callbacks`` and ``plugins`` may use
@@ -30,6 +35,9 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
     Args:
         manager: The plugin manager (default: the process-wide one, loaded on first use).
         cpu_bf16: Let ``precision="auto"`` pick bf16 on CPU.
+        namespace: ``"lightning"`` (for ``lightning.pytorch.Trainer``) or ``"pytorch_lightning"``
+            (for ``pytorch_lightning.Trainer``); default: the namespace of the Lightning objects
+            passed, else the one already imported (``"lightning"`` when both or neither are).
         **trainer_kwargs: Keyword arguments for ``lightning.pytorch.Trainer``. In addition to what
             Lightning accepts: ``strategy`` may be any registered strategy name or
             ``{"name": ..., **params}`` (Lightning's names too); ``precision`` may be ``"auto"``, a
@@ -58,6 +66,22 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
         '32-true'
         >>> trainer = Trainer(**kwargs, enable_progress_bar=False, enable_model_summary=False)
     """
+    namespace, why = _namespace.choose(namespace, trainer_kwargs)
+    if why is not None:
+        announce(
+            "lplugins: compose() builds for a %s.Trainer (%s); pass namespace='lightning' or 'pytorch_lightning' "
+            "to choose.",
+            _namespace.NAMESPACES[namespace][0],
+            why,
+        )
+    if namespace != _OWN_NAMESPACE:
+        twin = _namespace.module_for(__name__, namespace)
+        return twin.compose(manager=manager, cpu_bf16=cpu_bf16, namespace=namespace, **trainer_kwargs)
+    with _namespace.using(namespace):
+        return _compose(manager, cpu_bf16, trainer_kwargs)
+
+
+def _compose(manager: PluginManager | None, cpu_bf16: bool, trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
     manager = manager or get_manager()
     _check_trainer_arguments(trainer_kwargs)
     _pairs.check_accumulation_int(trainer_kwargs.get("accumulate_grad_batches"))
@@ -123,7 +147,9 @@ def compose(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **t
     return out
 
 
-def compose_trainer(*, manager: PluginManager | None = None, cpu_bf16: bool = False, **trainer_kwargs: Any) -> Trainer:
+def compose_trainer(
+    *, manager: PluginManager | None = None, cpu_bf16: bool = False, namespace: str | None = None, **trainer_kwargs: Any
+) -> Trainer:
     """``Trainer(**compose(**trainer_kwargs))`` in one call: the ``_target_`` for a config system.
 
     With Hydra, set ``_target_: lplugins.compose_trainer`` where a config says
@@ -135,10 +161,11 @@ def compose_trainer(*, manager: PluginManager | None = None, cpu_bf16: bool = Fa
     Args:
         manager: As for :func:`compose`.
         cpu_bf16: As for :func:`compose`.
+        namespace: As for :func:`compose`: which ``Trainer`` is built.
         **trainer_kwargs: ``Trainer`` keyword arguments; names as :func:`compose` accepts them.
 
     Returns:
-        A stock ``lightning.pytorch.Trainer``.
+        A stock ``lightning.pytorch.Trainer`` (``pytorch_lightning.Trainer`` for that namespace).
 
     Raises:
         LPluginsError: as :func:`compose` (an unknown name, a bad parameter, a pair that does not fit).
@@ -152,10 +179,14 @@ def compose_trainer(*, manager: PluginManager | None = None, cpu_bf16: bool = Fa
         >>> type(trainer).__name__, trainer.precision
         ('Trainer', '32-true')
     """
+    plain = {key: _plain_container(value) for key, value in trainer_kwargs.items()}
+    chosen, _ = _namespace.choose(namespace, plain)
+    if chosen != _OWN_NAMESPACE:
+        twin = _namespace.module_for(__name__, chosen)
+        return twin.compose_trainer(manager=manager, cpu_bf16=cpu_bf16, namespace=namespace, **plain)
     from lightning.pytorch import Trainer
 
-    plain = {key: _plain_container(value) for key, value in trainer_kwargs.items()}
-    return Trainer(**compose(manager=manager, cpu_bf16=cpu_bf16, **plain))
+    return Trainer(**compose(manager=manager, cpu_bf16=cpu_bf16, namespace=namespace, **plain))
 
 
 def _plain_container(value: Any) -> Any:
@@ -183,7 +214,7 @@ def attach(
     are written by one system in one place. A ``ModelCheckpoint`` configured in any way is kept.
 
     Args:
-        trainer: A ``lightning.pytorch.Trainer``.
+        trainer: A ``lightning.pytorch.Trainer`` or a ``pytorch_lightning.Trainer``.
         *callbacks: ``Callback`` instances, registered callback names or ``{"name": ..., **params}``.
         manager: The plugin manager (default: the process-wide one).
 
@@ -195,6 +226,14 @@ def attach(
         UnknownNameError: an unknown callback name (``BlockedNameError``: one a blocked plugin provides).
         ParameterError: a parameter the callback does not take, or a required one missing.
     """
+    namespace = _namespace.of_object(trainer) or _OWN_NAMESPACE
+    if namespace != _OWN_NAMESPACE:
+        return _namespace.module_for(__name__, namespace).attach(trainer, *callbacks, manager=manager)
+    with _namespace.using(namespace):
+        return _attach(trainer, callbacks, manager)
+
+
+def _attach(trainer: Trainer, callbacks: Sequence[Any], manager: PluginManager | None) -> list[Callback]:
     from lightning.pytorch.trainer.states import TrainerStatus
 
     _arm_watchdog(trainer)  # also where lplugins' callbacks_factory entry point is not installed

@@ -6,6 +6,8 @@
 ``LPLUGINS_DISABLE``             ``a,b``: block these plugins, built-ins included.
 ``LPLUGINS_STRICT``              ``0``: report a failing plugin with a warning instead of raising.
 ``LPLUGINS_AUTO_CALLBACKS``      ``1``: zero-code mode (see :mod:`lplugins._factory`).
+``LPLUGINS_AUTO_NAMES``          ``1``: registered names work in unchanged projects: plugins load when
+                                 Lightning is first imported (see :mod:`lplugins._autoload`).
 ``LPLUGINS_COLLECTIVE_TIMEOUT``  seconds (default 30): the collective watchdog's bound; ``0``: off
                                  (see :mod:`lplugins._watchdog`).
 ===============================  =====================================================================
@@ -24,6 +26,7 @@ PLUGINS = "LPLUGINS_PLUGINS"
 DISABLE = "LPLUGINS_DISABLE"
 STRICT = "LPLUGINS_STRICT"
 AUTO_CALLBACKS = "LPLUGINS_AUTO_CALLBACKS"
+AUTO_NAMES = "LPLUGINS_AUTO_NAMES"
 COLLECTIVE_TIMEOUT = "LPLUGINS_COLLECTIVE_TIMEOUT"
 
 _TRUE = {"1", "true", "yes", "on"}

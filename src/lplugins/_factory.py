@@ -1,5 +1,8 @@
 """Zero-code mode: Lightning's ``lightning.pytorch.callbacks_factory`` entry point.
 
+Its twin ``lplugins._pl._factory`` is the ``pytorch_lightning.callbacks_factory`` entry point
+(see :mod:`lplugins._namespace`): the same mode for a ``pytorch_lightning.Trainer``.
+
 lplugins declares this entry point so that, when ``LPLUGINS_AUTO_CALLBACKS=1``, every plain
 ``lightning.pytorch.Trainer`` receives the callbacks that plugins contribute through
 ``lplugins_trainer_callbacks`` -- with lplugins' blocking (``LPLUGINS_DISABLE``...) and error
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lplugins import _lightning
+from lplugins import _lightning, _namespace
 from lplugins._env import AUTO_CALLBACKS, env_flag
 from lplugins._manager import get_manager
 
@@ -33,12 +36,13 @@ def callbacks_factory() -> list[Any]:
     ``fit(ckpt_path=...)``: ``"latest"`` without a ``DurableCheckpoint`` is a clear error naming the
     fix instead of Lightning's ``FileNotFoundError`` (see :func:`lplugins.callbacks.latest_checkpoint`).
     """
-    trainer = _lightning.trainer_being_built()
-    if trainer is not None:
-        from lplugins._compose import _arm_watchdog, _understand_ckpt_path
+    with _namespace.using(_namespace.of_module(__name__)):
+        trainer = _lightning.trainer_being_built()
+        if trainer is not None:
+            from lplugins._compose import _arm_watchdog, _understand_ckpt_path
 
-        _understand_ckpt_path(trainer)
-        _arm_watchdog(trainer)
-    if not env_flag(ENV_VAR):
-        return []
-    return get_manager().trainer_callbacks({})
+            _understand_ckpt_path(trainer)
+            _arm_watchdog(trainer)
+        if not env_flag(ENV_VAR):
+            return []
+        return get_manager().trainer_callbacks({})

@@ -109,12 +109,16 @@ class HookManager(pluggy.PluginManager):
                 raised) when a plugin raises or returns something that is not a callback; it
                 raises, or returns to skip that plugin.
         """
-        from lightning.pytorch.callbacks import Callback
+        from lplugins import _namespace
+
+        namespace = _namespace.current()
+        Callback = _namespace.lightning_class(namespace, "callbacks", "Callback")
 
         results: list[Any] = []
         for impl in self.hook.lplugins_trainer_callbacks.get_hookimpls():
             try:
-                out: Any = impl.function(**{arg: trainer_kwargs for arg in impl.argnames})
+                function = _namespace.function_for(impl.function, namespace)
+                out: Any = function(**{arg: trainer_kwargs for arg in impl.argnames})
                 items = [] if out is None else [out] if isinstance(out, Callback) else list(out)
             except Exception as exc:
                 on_error(impl.plugin_name, f"{type(exc).__name__}: {exc}", exc)
@@ -122,7 +126,10 @@ class HookManager(pluggy.PluginManager):
             bad = [cb for cb in items if not isinstance(cb, Callback)]
             if bad:
                 on_error(
-                    impl.plugin_name, f"TypeError: returned {bad[0]!r}, which is not a lightning.pytorch.Callback", None
+                    impl.plugin_name,
+                    f"TypeError: returned {bad[0]!r}, which is not a {_namespace.NAMESPACES[namespace][0]}.Callback"
+                    + _namespace.other_namespace_hint(bad[0], namespace),
+                    None,
                 )
                 continue
             results.extend(items)

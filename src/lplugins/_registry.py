@@ -70,7 +70,12 @@ class Component:
                 one and lists them), or a required one missing.
         """
         self.check(overrides)
-        return self.factory(**{**self.defaults, **overrides})
+        from lplugins import _namespace
+
+        namespace = _namespace.current()
+        factory = _namespace.factory_for(kind_named(self.kind).hook, self.name, self.factory, namespace)
+        built = factory(**{**self.defaults, **overrides})
+        return _namespace.check_built(built, kind=self.kind, name=self.name, plugin=self.plugin, namespace=namespace)
 
     def check(self, overrides: Mapping[str, Any]) -> None:
         """Check ``overrides`` (and the registered defaults) against the factory's parameters.

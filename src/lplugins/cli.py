@@ -25,7 +25,8 @@ def _format_plugins(manager: PluginManager) -> str:
             registry = manager.registry(kind)
             for name in names:
                 desc = registry.get(name).description if name in registry else ""
-                lines.append(f"      {name}" + (f" - {desc}" if desc else ""))
+                served = _served(manager, kind, name)
+                lines.append(f"      {name}" + (f" - {desc}" if desc else "") + (f"  [{served}]" if served else ""))
         if info.contributes_callbacks:
             lines.append("    contributes callbacks to every composed Trainer")
         if info.error:
@@ -33,10 +34,32 @@ def _format_plugins(manager: PluginManager) -> str:
     return "\n".join(lines)
 
 
+def _namespaces(manager: PluginManager, kind: str, name: str) -> list[str] | None:
+    """The Lightning namespaces ``name`` serves; ``None``: a plugin's function, checked when it builds."""
+    from lplugins._namespace import served_by
+
+    registry = manager.registry(kind)
+    served = served_by(registry.get(name).factory) if name in registry else None
+    return None if served is None else list(served)
+
+
+def _served(manager: PluginManager, kind: str, name: str) -> str:
+    """Which Lightning namespaces ``name`` serves, as ``lplugins list`` prints it."""
+    served = _namespaces(manager, kind, name)
+    return "namespace checked when built" if served is None else ", ".join(served)
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     manager = load(strict=not args.lenient)
     if args.json:
-        print(json.dumps({"plugins": [p.as_dict() for p in manager.plugins()]}, indent=2))
+        plugins = []
+        for info in manager.plugins():
+            entry = info.as_dict()
+            entry["namespaces"] = {
+                name: _namespaces(manager, kind, name) for kind, names in info.registered.items() for name in names
+            }
+            plugins.append(entry)
+        print(json.dumps({"plugins": plugins}, indent=2))
     else:
         print(_format_plugins(manager))
     return 0
