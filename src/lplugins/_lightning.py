@@ -284,9 +284,29 @@ def hide_lightning_info(message: str) -> Callable[[], None]:
     def drop(record: logging.LogRecord) -> bool:
         return record.getMessage() != message
 
-    logger = logging.getLogger(_LIGHTNING_INFO_LOGGER)
-    logger.addFilter(drop)
-    return lambda: logger.removeFilter(drop)
+    # Lightning's rank_zero_info logs through lightning_utilities' module-level ``log``, which each Lightning
+    # package re-points at its own logger when imported: after `import pytorch_lightning`, lightning.pytorch's
+    # messages go to pytorch_lightning's logger. Filter every one of them (names split so that the
+    # pytorch_lightning twin of this module, made by rewriting the package names, keeps all four).
+    import lightning_utilities.core.rank_zero as rank_zero_module
+
+    names = {
+        _LIGHTNING_INFO_LOGGER,
+        "lightning" + ".pytorch.utilities.rank_zero",
+        "lightning" + ".fabric.utilities.rank_zero",
+        "pytorch_lightning.utilities.rank_zero",
+        "lightning_fabric.utilities.rank_zero",
+        rank_zero_module.log.name,
+    }
+    loggers = [logging.getLogger(name) for name in sorted(names)]
+    for logger in loggers:
+        logger.addFilter(drop)
+
+    def undo() -> None:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+    return undo
 
 
 # ------------------------------------------------------------------ data position
