@@ -178,6 +178,7 @@ REFERENCE = {
     "rankzero": "lplugins.rankzero",
     "testing": "lplugins.testing",
     "lightning_cli": "lplugins.lightning_cli",
+    "ray": "lplugins.ray",
 }
 
 

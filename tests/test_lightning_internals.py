@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import pkgutil
 import re
@@ -94,6 +95,20 @@ def trainer() -> Any:
     )
 
 
+@pytest.fixture(scope="module")
+def pl_trainer() -> Any:
+    """A ``pytorch_lightning.Trainer``: the twin's ``trainer`` entries are checked on it."""
+    pl = pytest.importorskip("pytorch_lightning")
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        max_steps=1,
+    )
+
+
 def test_privates_are_declared() -> None:
     assert PRIVATES, "lplugins._lightning.PRIVATES is empty: every private Lightning name used must be declared"
     assert all(isinstance(p, Private) for p in PRIVATES)
@@ -121,10 +136,45 @@ def test_privates_are_well_formed() -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("entry", PRIVATES, ids=[f"{p.kind}:{p.where}.{p.name}" for p in PRIVATES])
-def test_private_exists_in_the_installed_version(entry: Private, request: pytest.FixtureRequest) -> None:
+def _twin_privates() -> list[Private]:
+    """The ``pytorch_lightning`` twin's declarations (``lplugins._pl._lightning``: the same source with
+    ``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric``) that
+    differ from the originals: those naming a standalone package, and every ``trainer`` entry (checked
+    on a ``pytorch_lightning.Trainer``). Empty when ``pytorch_lightning`` is not installed."""
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        return []
+    twin = importlib.import_module("lplugins._pl._lightning")
+    return [p for p in twin.PRIVATES if p.kind == "trainer" or p.where.split(".")[0] in TWIN_PACKAGES]
+
+
+#: The packages the twins name instead of ``lightning.pytorch`` / ``lightning.fabric``.
+TWIN_PACKAGES = ("pytorch_lightning", "lightning_fabric")
+TWIN_PRIVATES = _twin_privates()
+#: ``(namespace, entry)``: every declaration, for each namespace it is used with.
+ALL_PRIVATES = [("lightning", p) for p in PRIVATES] + [("pytorch_lightning", p) for p in TWIN_PRIVATES]
+
+
+def test_twin_declares_the_same_privates() -> None:
+    """The twin's PRIVATES are the original's with the package names rewritten, entry for entry."""
+    if not TWIN_PRIVATES:
+        pytest.skip("pytorch_lightning is not installed")
+    from lplugins import _namespace
+
+    twin = importlib.import_module("lplugins._pl._lightning")
+    rewritten = [(_namespace.rewrite(p.where), p.name, p.kind, _namespace.rewrite(p.why)) for p in PRIVATES]
+    assert [(p.where, p.name, p.kind, p.why) for p in twin.PRIVATES] == rewritten
+    assert any(p.where.startswith("pytorch_lightning.") for p in TWIN_PRIVATES)
+    assert any(p.where.startswith("lightning_fabric.") for p in TWIN_PRIVATES)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "entry"), ALL_PRIVATES, ids=[f"{ns}-{p.kind}:{p.where}.{p.name}" for ns, p in ALL_PRIVATES]
+)
+def test_private_exists_in_the_installed_version(
+    namespace: str, entry: Private, request: pytest.FixtureRequest
+) -> None:
     if entry.kind == "trainer":
-        obj: Any = request.getfixturevalue("trainer")
+        obj: Any = request.getfixturevalue("trainer" if namespace == "lightning" else "pl_trainer")
         parts = entry.where.split(".")
         for i, attr in enumerate(parts[1:], start=1):
             if not hasattr(obj, attr):
@@ -305,6 +355,33 @@ def _all_hits() -> list[str]:
     return [hit for path in _sources() for hit in find_private_uses(path, declared, methods)]
 
 
+def _twin_sources(tmp: Path) -> Iterator[Path]:
+    """The ``pytorch_lightning`` twins' source, as ``lplugins._pl`` compiles it (``_namespace.rewrite``)
+    of every twinned module that faces Lightning (the others are shared, not rewritten)."""
+    from lplugins import _namespace
+
+    for path in _sources():
+        rel = path.relative_to(SRC)
+        module = "lplugins." + ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        if rel.parts[0].removesuffix(".py") not in _namespace.TWINNED or not _namespace.faces_lightning(module):
+            continue
+        twin = tmp / "lplugins" / "_pl" / rel
+        twin.parent.mkdir(parents=True, exist_ok=True)
+        twin.write_text(_namespace.rewrite(path.read_text()))
+        yield twin
+
+
+def test_no_private_lightning_name_in_the_twins(tmp_path: Path) -> None:
+    """The rewrite for ``pytorch_lightning`` adds no private access the original does not declare."""
+    declared, methods = _declared_patterns(), frozenset(p.name for p in PRIVATES)
+    twins = list(_twin_sources(tmp_path))
+    assert any(t.name == "checkpoint.py" for t in twins)
+    for twin in twins:
+        assert "lightning.pytorch" not in twin.read_text(), twin
+    hits = [hit for twin in twins for hit in find_private_uses(twin, declared, methods)]
+    assert not hits, "the pytorch_lightning twins name private Lightning attributes:\n  " + "\n  ".join(hits)
+
+
 def test_no_private_lightning_name_outside_the_internals_module() -> None:
     hits = _all_hits()
     assert not hits, (
@@ -369,15 +446,22 @@ def test_every_declared_name_is_caught_by_the_grep(tmp_path: Path) -> None:
 
 
 def _lplugins_classes() -> Iterator[type]:
+    """Every class lplugins defines, and (with ``pytorch_lightning`` installed) every twin class."""
     import lplugins
+    from lplugins import _namespace
 
+    twins = importlib.util.find_spec("pytorch_lightning") is not None
     for info in pkgutil.walk_packages(lplugins.__path__, "lplugins."):
-        if info.name == "lplugins._lightning":
+        if info.name == "lplugins._lightning" or info.name.startswith("lplugins._pl"):
             continue
-        module = importlib.import_module(info.name)
-        for obj in vars(module).values():
-            if isinstance(obj, type) and obj.__module__ == info.name:
-                yield obj
+        names = [info.name]
+        if twins and info.name.split(".")[1] in _namespace.TWINNED:
+            names.append(_namespace.twin_name(info.name, _namespace.PYTORCH_LIGHTNING))
+        for name in names:
+            module = importlib.import_module(name)
+            for obj in vars(module).values():
+                if isinstance(obj, type) and obj.__module__ == name:
+                    yield obj
 
 
 def test_no_lplugins_class_overrides_a_private_lightning_method() -> None:

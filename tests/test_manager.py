@@ -409,7 +409,7 @@ def test_loaded_plugins_are_announced_once(caplog: pytest.LogCaptureFixture) -> 
             assert lplugins.load() is loaded  # a second call loads nothing and says nothing
         lines = [r.getMessage() for r in caplog.records if r.name == "lplugins"]
         assert lines == [
-            "lplugins: loaded 5 plugins: core, strategies, precision, accumulation, logging (blocked: checkpoint)"
+            "lplugins: loaded 6 plugins: core, strategies, precision, accumulation, logging, ray (blocked: checkpoint)"
         ]
         loaded.close()
     finally:

@@ -8,6 +8,11 @@ is first imported -- before any code can build a Trainer. Registered strategy na
 LightningCLI YAML, in either namespace, without any code calling ``lplugins.load()``. A broken
 plugin raises the same named ``PluginError`` as ``lplugins.load()`` would, from that import.
 
+Precision-plugin and cluster-environment names are registered too, but a plain Trainer cannot take
+them: Lightning 2.6 has a registry for strategies only (``plugins=`` takes instances, ``precision=``
+its own fixed strings). They work where lplugins composes the Trainer (``compose``,
+``compose_trainer`` as a Hydra ``_target_``, the ``lplugins:`` section of its ``LightningCLI``).
+
 With the variable unset the ``.pth`` line costs one ``os.environ`` lookup; nothing is imported.
 """
 

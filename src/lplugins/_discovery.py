@@ -29,6 +29,7 @@ BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("accumulation", "lplugins._builtins.accumulation"),
     ("checkpoint", "lplugins._builtins.checkpoint"),
     ("logging", "lplugins._builtins.logging"),
+    ("ray", "lplugins._builtins.ray"),
 )
 
 #: Built-ins that cannot be blocked: without them, Lightning's own names would not resolve.

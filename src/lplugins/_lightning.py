@@ -351,6 +351,19 @@ def batches_trained_in_epoch(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
 
+def shift_batches_trained_in_epoch(trainer: pl.Trainer, delta: int) -> None:
+    """Move the fit loop's count of the epoch in progress by ``delta`` batches (a resume on another world size).
+
+    The public ``batch_progress`` counters of the current epoch, before the epoch loop resumes from them;
+    the totals (all epochs, which Lightning reads to tell where the save was taken) are left alone.
+    """
+    current: Any = trainer.fit_loop.epoch_loop.batch_progress.current  # a _ProcessedTracker
+    current.ready += delta
+    current.started += delta
+    current.processed += delta
+    current.completed += delta
+
+
 # ------------------------------------------------------------------ accumulation
 # (owned by lplugins.accumulation)
 
@@ -528,6 +541,27 @@ def shard_over_all_ranks(strategy: Any) -> None:
     """Make a ``ModelParallelStrategy`` built with ``data_parallel_size="auto"`` shard over every rank."""
     if strategy._data_parallel_size == "auto":
         strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+
+
+# ------------------------------------------------------------------ elastic process groups
+# (owned by lplugins.strategies._elastic: the default group through a per-attempt store under torchrun)
+
+_private("lightning.fabric.utilities.distributed", "_init_dist_connection", "class", "init the group with a store")
+_private("lightning.pytorch.strategies.DDPStrategy", "_get_process_group_backend", "class", "the backend to init")
+_private("lightning.pytorch.strategies.ModelParallelStrategy", "_get_process_group_backend", "class", "the same")
+
+
+def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """Lightning's process-group initialisation (its log lines, ``MASTER_*``, NCCL's exit hook), with
+    ``kwargs`` (e.g. ``store=``) passed on to ``torch.distributed.init_process_group``."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend a DDP / ModelParallel / DeepSpeed strategy initialises its process group with."""
+    return str(strategy._get_process_group_backend())
 
 
 # ------------------------------------------------------------------ strategy loads, weights-only

@@ -53,6 +53,7 @@ TWINNED = (
     "precision",
     "strategies",
     "metrics",
+    "lightning_cli",
 )
 
 _current: contextvars.ContextVar[str] = contextvars.ContextVar("lplugins_namespace", default=LIGHTNING)
@@ -242,7 +243,7 @@ def check_built(obj: Any, *, kind: str, name: str, plugin: str, namespace: str |
 # --- the twins: lplugins.X rewritten for pytorch_lightning ----------------------------------------
 
 _TWINNED_RE = "|".join(re.escape(m) for m in TWINNED)
-_DOTTED = re.compile(rf"\blplugins\.({_TWINNED_RE})\b")
+_DOTTED = re.compile(rf"(?<![-\w.])lplugins\.({_TWINNED_RE})\b")  # not a CLI flag (--lplugins.precision)
 _FROM_LPLUGINS = re.compile(r"^(\s*)from lplugins import ([\w, ]+)$", re.MULTILINE)
 
 
@@ -251,6 +252,9 @@ def rewrite(source: str, namespace: str = PYTORCH_LIGHTNING) -> str:
     trainer_pkg, fabric_pkg = NAMESPACES[namespace]
     source = re.sub(r"\blightning\.pytorch\b", trainer_pkg, source)
     source = re.sub(r"\blightning\.fabric\b", fabric_pkg, source)
+    if namespace != LIGHTNING:  # the bare package (``lightning.__version__``) imports lightning.pytorch
+        source = re.sub(r"^(\s*)import lightning$", rf"\1import {trainer_pkg} as lightning", source, flags=re.M)
+        source = re.sub(r"^(\s*)from lightning import ", rf"\1from {trainer_pkg} import ", source, flags=re.M)
     source = _DOTTED.sub(lambda m: f"{TWIN_PACKAGE}.{m.group(1)}", source)
 
     def from_import(match: re.Match[str]) -> str:
@@ -281,7 +285,7 @@ def faces_lightning(base: str) -> bool:
     if base in _FACES:
         return _FACES[base]
     _FACES[base] = False  # an import cycle does not make a module face Lightning
-    spec = importlib.util.find_spec(base)
+    spec = source_spec(base)
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
         return False
     with open(spec.origin, encoding="utf-8") as f:
@@ -310,10 +314,99 @@ def faces_lightning(base: str) -> bool:
 
 
 def _exists(module_name: str) -> bool:
+    return source_spec(module_name) is not None
+
+
+def source_spec(module_name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of an lplugins module, found without importing its parent packages.
+
+    ``importlib.util.find_spec("lplugins.callbacks._errors")`` would import ``lplugins.callbacks``,
+    which imports ``lightning.pytorch``: a ``pytorch_lightning`` process must not.
+    """
+    module = sys.modules.get(module_name)
+    if module is not None and getattr(module, "__spec__", None) is not None:
+        return module.__spec__
+    parts = module_name.split(".")
     try:
-        return importlib.util.find_spec(module_name) is not None
+        spec = importlib.util.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            locations = spec.submodule_search_locations if spec is not None else None
+            if not locations:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), list(locations))
     except (ImportError, AttributeError, ValueError):
-        return False
+        return None
+    return spec
+
+
+def load_shared(base: str) -> ModuleType:
+    """Import ``base``, an lplugins module that does not face Lightning, without running its parent
+    package's ``__init__`` when that is not imported yet (a twinned package's ``__init__`` imports
+    its namespace: ``lightning.pytorch`` in a ``pytorch_lightning`` process).
+
+    The parent's place in ``sys.modules`` is taken by a :class:`_StandIn` with the package's spec
+    and ``__path__``: its submodules import as usual, and the real package is imported (and
+    replaces it) when any other attribute of it is asked for.
+    """
+    if base in sys.modules:
+        return sys.modules[base]
+    parent = base.rpartition(".")[0]
+    if "." in parent and parent not in sys.modules:
+        spec = source_spec(parent)
+        if spec is not None and spec.submodule_search_locations:
+            standin = importlib.util.module_from_spec(spec)
+            standin.__class__ = _StandIn
+            sys.modules[parent] = standin
+            if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
+                sys.meta_path.insert(0, _StandInFinder())
+            grandparent, _, child = parent.rpartition(".")
+            setattr(sys.modules[grandparent], child, standin)
+    return importlib.import_module(base)
+
+
+class _StandIn(ModuleType):
+    """An lplugins package imported in name only (see :func:`load_shared`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_realise(self), name)
+
+
+class _ExistingLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return sys.modules[spec.name]
+
+    def exec_module(self, module: ModuleType) -> None:
+        return None
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    """A submodule of a :class:`_StandIn` that faces Lightning needs the real package first."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        parent = fullname.rpartition(".")[0]
+        standin = sys.modules.get(parent)
+        if not isinstance(standin, _StandIn) or not faces_lightning(fullname):
+            return None
+        _realise(standin)  # the real __init__ may import fullname itself
+        if fullname in sys.modules:
+            return importlib.machinery.ModuleSpec(fullname, _ExistingLoader())
+        return None
+
+
+def _realise(standin: ModuleType) -> ModuleType:
+    """Import the package ``standin`` stands in for, keeping the submodules imported under it."""
+    name = standin.__name__
+    if sys.modules.get(name) is standin:
+        del sys.modules[name]
+    package = importlib.import_module(name)
+    for attr, value in vars(standin).items():
+        if isinstance(value, ModuleType) and value.__name__ == f"{name}.{attr}" and attr not in vars(package):
+            setattr(package, attr, value)
+    return package
 
 
 class _SharedLoader(importlib.abc.Loader):
@@ -323,7 +416,7 @@ class _SharedLoader(importlib.abc.Loader):
         self.base = base
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return importlib.import_module(self.base)
+        return load_shared(self.base)
 
     def exec_module(self, module: ModuleType) -> None:
         return None
@@ -353,7 +446,7 @@ class TwinFinder(importlib.abc.MetaPathFinder):
         base = "lplugins." + fullname[len(TWIN_PACKAGE) + 1 :]
         if base.split(".")[1] not in TWINNED:
             return None
-        original = importlib.util.find_spec(base)
+        original = source_spec(base)
         if original is None or original.origin is None:
             return None
         is_package = original.submodule_search_locations is not None

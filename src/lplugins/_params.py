@@ -50,6 +50,11 @@ FORWARDED: Mapping[str, tuple[str, frozenset[str]]] = {
         frozenset({"module", "process_group", "cpu_offload", "mixed_precision", "sharding_strategy", "device_id"}),
     ),
 }
+# the same classes of the standalone ``pytorch_lightning`` (a separate class hierarchy, same source)
+FORWARDED = {
+    **FORWARDED,
+    **{"pytorch_lightning." + k[len("lightning.pytorch.") :]: v for k, v in FORWARDED.items()},
+}
 
 #: Attribute a function factory sets to say where its ``**kwargs`` go (``"module:attr"`` or a callable).
 FORWARDS_TO = "lplugins_forwards_to"
@@ -161,7 +166,8 @@ def _forward_target(fn: Any) -> Any:
     """Where a function's ``**kwargs`` go: its declaration, or the one callable its source calls with them."""
     declared = getattr(fn, FORWARDS_TO, None)
     if isinstance(declared, str):
-        return _resolve(declared)
+        module, _, attr = declared.partition(":")
+        return _resolve(f"{_for_namespace(module, fn)}:{attr}")
     if declared is not None:
         return declared
     return _callee_from_source(fn)
@@ -242,13 +248,36 @@ def _evaluate(expr: ast.expr, fn: Any, imports: Mapping[str, tuple[str, str | No
         if level:
             package = (getattr(fn, "__module__", "") or "").rsplit(".", level)[0]
             module = f"{package}.{module}" if module else package
-        mod = importlib.import_module(module)
+        mod = importlib.import_module(_for_namespace(module, fn))
         return getattr(mod, attr) if attr else mod
     closure = inspect.getclosurevars(fn)
     for scope in (closure.nonlocals, closure.globals, vars(builtins)):
         if name in scope:
             return scope[name]
     raise LookupError(name)
+
+
+def _for_namespace(module: str, fn: Any) -> str:
+    """``module`` as a built-in's factory imports it for the namespace being built: a twinned
+    lplugins module becomes its ``pytorch_lightning`` twin (see :mod:`lplugins._namespace`), so a
+    check never imports the other namespace (the twin's source is the original's, unrewritten)."""
+    from lplugins import _namespace
+
+    owner = getattr(fn, "__module__", "") or ""
+    if not owner.startswith("lplugins."):
+        return module  # a third party's factory imports what it names
+    namespace = _namespace.of_module(owner)
+    if namespace == _namespace.LIGHTNING:
+        namespace = _namespace.current()
+    if namespace == _namespace.LIGHTNING:
+        return module
+    parts = module.split(".")
+    if parts[0] == "lplugins" and len(parts) > 1 and parts[1] in _namespace.TWINNED:
+        return _namespace.twin_name(module, namespace)
+    if parts[0] == "lightning" and len(parts) > 1 and parts[1] in ("pytorch", "fabric"):
+        trainer_pkg, fabric_pkg = _namespace.NAMESPACES[namespace]
+        return ".".join([trainer_pkg if parts[1] == "pytorch" else fabric_pkg, *parts[2:]])
+    return module
 
 
 def _accepted(factory: Any, depth: int = 0) -> Accepted:
@@ -287,12 +316,14 @@ def _accepted(factory: Any, depth: int = 0) -> Accepted:
     return merged
 
 
-_CACHE: dict[tuple[Any, Any], Accepted] = {}
+_CACHE: dict[tuple[Any, Any, str], Accepted] = {}
 
 
 def accepted(factory: Callable[..., Any]) -> Accepted:
     """What ``factory`` accepts by keyword, following ``**kwargs`` (see the module's docstring)."""
-    key = (factory, getattr(factory, FORWARDS_TO, None))
+    from lplugins._namespace import current
+
+    key = (factory, getattr(factory, FORWARDS_TO, None), current())
     try:
         return _CACHE[key]
     except (KeyError, TypeError):

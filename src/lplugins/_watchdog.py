@@ -48,6 +48,7 @@ from lplugins._log import announce, log
 
 __all__ = [
     "Agreement", "Board", "TIMEOUT_VAR", "Where", "add_note", "agree", "arm", "bound", "disarm", "note_peer_failures",
+    "set_attempt", "stop_signal",
 ]  # fmt: skip
 
 #: The environment variable for the bound (seconds; ``0`` turns the watchdog off), read by ``lplugins._env``.
@@ -60,6 +61,11 @@ EXIT_STATUS = 1
 HEARTBEAT_INTERVALS = 5
 #: Seconds without a heartbeat after which an agreement stops waiting for a rank (its process is gone).
 SILENT_RANK_S = 90.0
+#: Under torchelastic: seconds a rank that waits in an agreement when a stop signal arrives gives the ranks
+#: that have not answered to show they got the signal too (a whole-group stop) before it ends itself.
+STOP_GRACE_S = 2.0
+#: ... and how old the heartbeat of a rank on another node must be to count it gone (two heartbeats missed).
+STALE_HEARTBEAT_S = 2 * HEARTBEAT_INTERVALS + 2.0
 
 #: The ``torch.distributed`` functions that are collectives (the outermost one on the stack is named).
 COLLECTIVES = frozenset(
@@ -80,7 +86,11 @@ _bound: float = DEFAULT_TIMEOUT
 _lock = threading.Lock()
 _thread: _Watchdog | None = None
 _board: Board | None = None
+#: The torchelastic attempt whose store keys the default group uses (set by lplugins' strategies).
+_attempt: str | None = None
 _announced = False
+#: ``(signal, monotonic time)`` of the first stop signal this process received under torchelastic.
+_stop: tuple[int, float] | None = None
 
 
 def bound() -> float:
@@ -293,6 +303,7 @@ class Board:
         self.dead = False  # the store is gone (rank 0's process ended)
         self.lock = threading.Lock()
         self.read_lock = threading.Lock()
+        self.prefix = _store_prefix()
 
     @property
     def store(self) -> Any:
@@ -306,7 +317,7 @@ class Board:
         base = self._store()
         if base is None:
             raise RuntimeError("the process group's store is gone (destroy_process_group)")
-        return dist.distributed_c10d.PrefixStore("lplugins/", base)
+        return dist.distributed_c10d.PrefixStore(self.prefix, base)
 
     def is_for(self, group: Any) -> bool:
         """Whether this board belongs to ``group`` (the current default group, or ``None``)."""
@@ -377,6 +388,8 @@ class Board:
                     answers[r] = json.loads(self.store.get(key))
             if len(answers) == self.world or time.monotonic() > deadline:
                 break
+            if _stop is not None and time.monotonic() - _stop[1] >= STOP_GRACE_S:
+                self._end_if_peers_gone(answers)
             if time.monotonic() > next_check:  # a rank whose watchdog went quiet: its process is gone
                 next_check = time.monotonic() + 1.0
                 silent = [r for r in keys if r not in answers and self._silent(r)]
@@ -395,6 +408,51 @@ class Board:
             order = [rec["rank"] for _, rec in sorted(self.failures.items()) if rec["round"] == n]
             result.first = order[0] if order else result.failures[0][0]
         return result
+
+    def _end_if_peers_gone(self, answers: dict[int, dict[str, Any]]) -> None:
+        """Under a torchelastic stop signal: end this process now if a rank that has not answered did not get it.
+
+        torchrun sends its stop signal to every worker of the group when it stops them all (the whole
+        job ends: each rank posts ``signalled/<rank>``, the agreement goes on and the preemption save
+        follows, as everywhere) and to the survivors only when a worker died: a rank that neither
+        answered nor got the signal is then gone, and this rank cannot get past the agreement without
+        it. It ends the way the signal would end a process without lplugins' handler, at once instead
+        of at torchrun's SIGKILL (30 s later). Nothing committed is touched; the save it waited in was
+        not committed by this rank (rank 0 commits after the agreement, or before it, whole).
+        """
+        assert _stop is not None
+        gone = [
+            r for r in range(self.world) if r not in answers and not self.store.check([f"signalled/{r}"])
+        ]  # fmt: skip
+        # a rank on another node gets the signal from its own agent, maybe seconds later: gone only once its
+        # heartbeat is stale too (this node's agent signals all its workers at once)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        gone = [r for r in gone if r // local == self.rank // local or self._heartbeat_age(r) > STALE_HEARTBEAT_S]
+        if not gone:
+            return
+        import signal
+
+        signum = _stop[0]
+        name = signal.Signals(signum).name
+        sys.stderr.write(
+            f"lplugins [rank {self.rank}]: {name} from torchelastic while waiting in {self.waiting or 'an agreement'}"
+            f" for rank(s) {', '.join(map(str, gone))}, which neither answered nor got the signal (their process"
+            f" ended): ending this worker now for torchrun's restart (committed checkpoints are intact)\n"
+        )
+        for handler in [*log.handlers, *logging.getLogger().handlers]:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)  # the status torchrun sees for a worker its signal ended
+        time.sleep(5)
+        os._exit(128 + signum)
+
+    def _heartbeat_age(self, rank: int) -> float:
+        """Seconds since ``rank``'s watchdog last published its state (infinite when it never did)."""
+        if not self.store.check([f"state/{rank}"]):
+            return float("inf")
+        return time.time() - float(json.loads(self.store.get(f"state/{rank}"))["t"])
 
     def _silent(self, rank: int) -> bool:
         """Whether ``rank``'s watchdog published a heartbeat once and then none for :data:`SILENT_RANK_S`."""
@@ -422,6 +480,63 @@ class Board:
             self.store.delete_key(key)
         except Exception:  # housekeeping only
             pass
+
+
+def set_attempt(token: str | None) -> None:
+    """Say that the default group was made through a per-attempt store (``token``: the attempt's).
+
+    lplugins' strategies call it after initialising the group under torchelastic; the failure board
+    then knows its keys cannot meet an earlier attempt's.
+    """
+    global _attempt
+    _attempt = token
+
+
+def stop_signal(signum: int | None) -> None:
+    """Note torchrun's stop signal (SIGTERM) under torchelastic (from lplugins' preemption-signal handler).
+
+    Outside torchelastic it does nothing: the signal is a preemption, saved at the next step boundary.
+    Under torchelastic it posts ``signalled/<rank>`` on the failure board (the other ranks then know
+    this one is alive and stopping too), and from then on an agreement this rank waits in ends the
+    process once a rank that has not answered has not got the signal either (see
+    :meth:`Board._end_if_peers_gone`) instead of waiting for torchrun's SIGKILL. ``None`` forgets
+    the signal (a new fit).
+    """
+    global _stop
+    if signum is None:
+        _stop = None
+        return
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    if _stop is None:
+        _stop = (signum, time.monotonic())
+    board = _board
+    if board is not None and not board.dead:
+        try:
+            board.store.set(f"signalled/{board.rank}", "1")
+        except Exception:  # the store is gone: the agreement learns that itself
+            pass
+
+
+def _store_prefix() -> str:
+    """The failure board's keys in the default group's store, apart from any earlier torchelastic attempt's.
+
+    A group lplugins made under torchelastic already uses a store of its own attempt. Any other group
+    under torchelastic (a stock Lightning strategy) shares torch's store with earlier attempts: the
+    board's keys then carry the run id and this agent's restart count, and one warning names the fix.
+    """
+    if _attempt is not None or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "lplugins/"
+    run_id = os.environ["TORCHELASTIC_RUN_ID"]
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    announce(
+        "lplugins: this process group was not made by an lplugins strategy; under torchrun its store keys are "
+        "shared with the previous attempt's, so after a restart a rank can read a dead rank's address (Gloo "
+        "'connectFullMesh failed ... Connection refused') or hang in init_process_group. Use "
+        "strategy='ddp_timeout' (or 'fsdp2', 'deepspeed_*') instead of 'ddp', or set "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun; see docs/scaling-out.md"
+    )
+    return f"lplugins/{run_id}/r{restart}/"
 
 
 def _current_board() -> Board | None:

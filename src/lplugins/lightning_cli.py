@@ -18,6 +18,12 @@ Strategy names registered by plugins already work in a plain ``LightningCLI`` on
                                           init_args: {num_classes: 3}}}}
 
 Use :class:`LightningCLI` from this module in place of Lightning's; everything else is unchanged.
+
+Both Lightning namespaces: ``LightningCLI(Model)`` with a ``pytorch_lightning`` model, datamodule
+or ``trainer_class`` builds the ``pytorch_lightning`` CLI (a ``pytorch_lightning.cli.LightningCLI``
+with the same ``lplugins`` section, composing for ``pytorch_lightning.Trainer``). A subclass for a
+``pytorch_lightning`` project derives from ``PytorchLightningCLI`` of this module instead: the same
+class, written for ``pytorch_lightning`` (this module itself imports ``lightning.pytorch``).
 """
 
 from __future__ import annotations
@@ -27,12 +33,18 @@ from typing import Any
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.cli import LightningCLI as _LightningCLI
 
+from lplugins import _namespace
 from lplugins._compose import compose
 from lplugins._errors import CompositionError
 from lplugins._lightning import InstantiateTrainerMixin
 from lplugins._manager import load
 
 __all__ = ["LightningCLI"]
+
+#: The Lightning namespace this module is written for (its twin ``lplugins._pl.lightning_cli`` serves the other).
+_OWN_NAMESPACE = _namespace.of_module(__name__)
+#: This module's public name (in the twin too).
+_PUBLIC = "lplugins" + ".lightning_cli"
 
 
 class LightningCLI(InstantiateTrainerMixin, _LightningCLI):
@@ -41,6 +53,25 @@ class LightningCLI(InstantiateTrainerMixin, _LightningCLI):
     Plugins are loaded before the arguments are parsed, so registered strategy names validate.
     A subclass that overrides ``add_arguments_to_parser`` must call ``super().add_arguments_to_parser(parser)``.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """The CLI of the namespace of the model, datamodule or Trainer class passed.
+
+        Raises:
+            CompositionError: a subclass of this namespace's CLI was given the other namespace's classes.
+        """
+        given = [*args[:2], kwargs.get("model_class"), kwargs.get("datamodule_class"), kwargs.get("trainer_class")]
+        namespace = _namespace.detect([g for g in given if isinstance(g, type)])
+        if namespace is None or namespace == _OWN_NAMESPACE:
+            return super().__new__(cls)
+        if cls is not LightningCLI:
+            theirs, ours = _namespace.NAMESPACES[namespace][0], _namespace.NAMESPACES[_OWN_NAMESPACE][0]
+            name = "PytorchLightningCLI" if namespace == _namespace.PYTORCH_LIGHTNING else "LightningCLI"
+            raise CompositionError(
+                f"{cls.__qualname__} is a {ours} LightningCLI but was given {theirs} classes: derive it from "
+                f"{_PUBLIC}.{name} for a {theirs} project"
+            )
+        return _namespace.module_for(__name__, namespace).LightningCLI(*args, **kwargs)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         load()
@@ -89,9 +120,15 @@ class LightningCLI(InstantiateTrainerMixin, _LightningCLI):
         extra = values.get("callbacks")
         if extra:
             merged["callbacks"] = list(merged.get("callbacks") or []) + [_plain(cb) for cb in _listify(extra)]
-        composed = compose(**merged)
+        composed = compose(namespace=_OWN_NAMESPACE, **merged)
         composed.setdefault("callbacks", [])
         return composed
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PytorchLightningCLI":  # imported on first use: pytorch_lightning may not be installed
+        return _namespace.module_for(__name__, _namespace.PYTORCH_LIGHTNING).LightningCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _listify(value: Any) -> list[Any]:

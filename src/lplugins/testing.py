@@ -4,7 +4,8 @@ Fixtures:
 
 * ``lplugins_manager`` -- a fresh :class:`lplugins.PluginManager` with the built-ins loaded and no
   entry-point plugins, installed as the process-wide manager for the test and closed afterwards
-  (which also removes its strategies from Lightning's ``StrategyRegistry``).
+  (which also removes its strategies from Lightning's ``StrategyRegistry``: that of
+  ``lightning.pytorch`` and that of ``pytorch_lightning``, whichever the test process imported).
 * ``lplugins_register`` -- ``register(plugin, name=None)`` registers an in-process plugin into that
   manager; it is unregistered when the test ends.
 * ``fake_entry_points`` -- ``fake({"name": plugin_or_"module:attr"}, distribution=..., version=...)``

@@ -249,17 +249,27 @@ class AccumulationScheduler(Callback):
         if self._loaded_world_size is not None and self._loaded_world_size != world:
             announce(
                 "lplugins: world size changed from %d to %d since the checkpoint; the accumulation factor of %r is "
-                "re-derived for %d processes.",
+                "re-derived for %d processes (a constant global batch stays the same).",
                 self._loaded_world_size,
                 world,
                 self.schedule,
                 world,
             )
             self._pos = 0  # the open window (whose gradients the checkpoint does not hold) starts afresh
+            self._announced = None  # say the factor for the new world size
         self._world_size = world
         self._micro = self._resolve_micro(trainer)
         if self._micro is not None or not self.schedule.needs_micro_batch_size:
-            self.schedule.check(micro_batch_size=self._micro, world_size=world)
+            try:
+                self.schedule.check(micro_batch_size=self._micro, world_size=world)
+            except ScheduleError as err:
+                if self._loaded_world_size is None or self._loaded_world_size == world:
+                    raise
+                raise ScheduleError(
+                    f"Cannot resume a checkpoint written by {self._loaded_world_size} rank(s) on {world} rank(s)"
+                    f" with {self.schedule!r}: {err} Resume on a world size that fits, or change the micro-batch"
+                    " size (the global batch of the checkpoint's run is kept only if it divides)."
+                ) from None
             if self._pos == 0:
                 self._factor_now(trainer)  # fail now, not at the first window
         if self._pos > 0:

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["DataPosition", "PositionedSampler"]
 
 #: The version of the per-rank position state (a new field or meaning: bump it, keep reading the old ones).
-POSITION_VERSION = 1
+#: 2 added each sampler record's ``batch_size`` and ``replicas`` (a resume on another world size converts with them).
+POSITION_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 _HOW_TO = (
     "to resume it exactly, use a map-style dataset (with Lightning's samplers or your own), or a loader with"
@@ -227,7 +229,7 @@ class DataPosition:
         for loader in _flatten(trainer.train_dataloader):
             wrapper = _wrapper_of(loader)
             if wrapper is not None and wrapper.record is not None:
-                loaders.append({"kind": "sampler", **wrapper.record})
+                loaders.append({"kind": "sampler", **wrapper.record, **_geometry(loader, wrapper)})
             elif _is_stateful(loader):
                 loaders.append({"kind": "stateful"})
             else:
@@ -247,16 +249,15 @@ class DataPosition:
         rank, world = _rng.rank_and_world()
         if not isinstance(positions, list) or not positions:
             return
-        if len(positions) != world:
-            self._why_loaded_unusable = f"the checkpoint was saved by {len(positions)} rank(s) and this run has {world}"
-            return
-        mine = positions[rank]
-        if not isinstance(mine, dict) or mine.get("version") != POSITION_VERSION:
+        resized = len(positions) != world
+        # on another world size: rank zero's position (every rank trained the same number of batches)
+        mine = positions[0] if resized else positions[rank]
+        if not isinstance(mine, dict) or mine.get("version") not in READABLE_VERSIONS:
             version = mine.get("version") if isinstance(mine, dict) else None
             self._why_loaded_unusable = f"the checkpoint's data position has an unknown format (version {version!r})"
             return
-        self._loaded = mine
-        if isinstance(rng_states, list) and len(rng_states) == world:
+        self._loaded = {**mine, "saved_world": len(positions)} if resized else mine
+        if not resized and isinstance(rng_states, list) and len(rng_states) == world:
             self._loaded_rng = rng_states[rank]
 
     def replay_for(self, wrapper: PositionedSampler, epoch: int) -> tuple[dict[str, Any], int] | None:
@@ -287,9 +288,61 @@ class DataPosition:
             # the sampler epoch of the uninterrupted run minus Lightning's count of the resumed one
             label = int(self._fit.current_epoch) if self._fit is not None else int(loaded["epoch"])
             offset = int(samplers[0]["epoch"]) - label if samplers and mid_epoch else 0
+            resize = None
+            if "saved_world" in loaded and mid_epoch:
+                # another world size: the epoch in progress continues where the whole job was, or restarts
+                converted, how = self._converted(loaded)
+                resize = {"shift": converted - batch, "from": batch, "to": converted, "how": how}
+                batch = loaded["batch"] = converted
+                mid_epoch = converted > 0
             done = [not mid_epoch] * len(loaded["loaders"])  # an epoch boundary: fresh streams from here
-            self._resuming = {**loaded, "replayed": done, "offset": offset, "mid_epoch": mid_epoch}
+            self._resuming = {
+                **loaded, "replayed": done, "offset": offset, "mid_epoch": mid_epoch, "resize": resize,
+            }  # fmt: skip
         return self._resuming
+
+    def _converted(self, loaded: dict[str, Any]) -> tuple[int, str]:
+        """The batch of the epoch in progress to continue from on this world size, and how it was found.
+
+        With a ``DistributedSampler`` (before and now) the ranks take the epoch's indices in turns, so the
+        samples trained are the first ``batch x batch_size x saved world size`` of the epoch's order,
+        whatever the world size; when that divides by ``batch_size x world size`` now, each rank continues
+        at the quotient. Otherwise the epoch in progress restarts from its first batch (0).
+        """
+        assert self._fit is not None
+        world, saved_world, batch = self._fit.world_size, int(loaded["saved_world"]), int(loaded["batch"])
+        loaders = _flatten(self._fit.train_dataloader)
+        records = loaded["loaders"]
+        if records and all(isinstance(r, dict) and r.get("kind") == "stateful" for r in records):
+            return batch, "the train dataloader restores its own position (its state_dict)"
+        targets = set()
+        for index, loader in enumerate(loaders):
+            record = records[index] if index < len(records) else None
+            wrapper = _wrapper_of(loader)
+            now = _geometry(loader, wrapper) if wrapper is not None else {}
+            if not isinstance(record, dict) or record.get("kind") != "sampler" or "batch_size" not in record:
+                return 0, "the checkpoint does not say how the samples were split among its ranks"
+            if not record.get("replicas") or not now.get("replicas"):
+                return 0, "the train dataloader's sampler is not a DistributedSampler (before and now)"
+            if not record.get("batch_size") or not now.get("batch_size"):
+                return 0, "the train dataloader has no fixed batch_size"
+            consumed = batch * int(record["batch_size"]) * saved_world
+            per_batch = int(now["batch_size"]) * world
+            if consumed % per_batch:
+                return 0, (
+                    f"the {consumed} samples of it trained ({batch} batches x {record['batch_size']} x {saved_world}"
+                    f" ranks) are not a whole number of batches of {now['batch_size']} x {world} ranks"
+                )
+            targets.add(consumed // per_batch)
+            if wrapper is not None and consumed // per_batch >= len(wrapper.inner):
+                return 0, "this world size has fewer batches in the epoch than were trained"
+        if len(targets) != 1:
+            return 0, "its train dataloaders would continue at different batches"
+        target = targets.pop()
+        return target, (
+            f"{batch * int(records[0]['batch_size']) * saved_world} samples of it were trained by {saved_world}"
+            f" rank(s): each of the {world} continues after {target} batches, same order (DistributedSampler)"
+        )
 
     def on_train_start(self, trainer: Trainer) -> None:
         """After a mid-epoch restore: set the generators to the save's state again, and say what was restored."""
@@ -301,6 +354,23 @@ class DataPosition:
             if why_unusable:
                 announce("lplugins: DurableCheckpoint cannot restore the data position: %s.", why_unusable)
             return
+        resize = plan.get("resize")
+        if resize is not None and not resize.get("applied"):
+            resize["applied"] = True
+            _lightning.shift_batches_trained_in_epoch(trainer, resize["shift"])
+            epoch = trainer.current_epoch + plan["offset"]
+            if resize["to"]:
+                announce(
+                    "lplugins: DurableCheckpoint: the checkpoint was taken after batch %d of epoch %d on %d rank(s):"
+                    " %s.", resize["from"], epoch, plan["saved_world"], resize["how"],
+                )  # fmt: skip
+            else:
+                announce(
+                    "lplugins: DurableCheckpoint: the checkpoint was taken after batch %d of epoch %d on %d rank(s),"
+                    " and %s: epoch %d restarts from its first batch on %d rank(s) (its samples trained before the"
+                    " checkpoint are trained again; global_step, epoch and LR schedulers continue).",
+                    resize["from"], epoch, plan["saved_world"], resize["how"], epoch, trainer.world_size,
+                )  # fmt: skip
         if not plan["mid_epoch"]:
             return  # an epoch boundary: Lightning's fresh iterator is the right one
         if rng is not None:
@@ -346,6 +416,16 @@ class DataPosition:
             )  # fmt: skip
             # Lightning's "your dataloader is not resumable" would now be wrong: kept off until the fit ends
             self._undo.append(_lightning.hide_lightning_warning(_lightning.NOT_RESUMABLE_WARNING))
+
+
+def _geometry(loader: Any, wrapper: PositionedSampler | None) -> dict[str, Any]:
+    """How ``loader`` splits the epoch: its ``batch_size`` and its ``DistributedSampler``'s ``num_replicas``."""
+    from torch.utils.data import DistributedSampler
+
+    samplers = _samplers(wrapper.inner) if wrapper is not None else []
+    replicas = next((int(s.num_replicas) for s in samplers if isinstance(s, DistributedSampler)), None)
+    batch_size = getattr(loader, "batch_size", None)
+    return {"batch_size": batch_size if isinstance(batch_size, int) else None, "replicas": replicas}
 
 
 def _wrapper_of(loader: Any) -> PositionedSampler | None:

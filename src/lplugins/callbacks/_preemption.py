@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
+from lplugins import _watchdog
 from lplugins.callbacks._errors import CheckpointConfigError
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "parse_signal", "parse_signals", "slurm_requeue"]
@@ -101,6 +102,7 @@ class PreemptionSignals:
         if not self.signals or threading.current_thread() is not threading.main_thread():
             return
         self.received = None
+        _watchdog.stop_signal(None)  # a signal of an earlier fit in this process is no stop of this one
         for sig in self.signals:
             if sig not in self._previous:
                 self._previous[sig] = signal.getsignal(sig)
@@ -117,6 +119,10 @@ class PreemptionSignals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # only a flag: the save happens at the next step boundary, on all ranks together
         self.received = signum
+        # under torchelastic SIGTERM can also mean "a peer died, torchrun restarts the group": an
+        # agreement this rank waits in then ends the process instead of waiting for the dead peer
+        if signum == signal.SIGTERM:
+            _watchdog.stop_signal(signum)
 
 
 def slurm_requeue() -> None:

@@ -36,6 +36,7 @@ from lplugins.callbacks._errors import (
     UnsafeCheckpointError,
 )
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record, order
+from lplugins.callbacks._reshard import check_resume, describe_resume
 from lplugins.callbacks._storage import Storage, open_storage
 from lplugins.callbacks._verify import Overlapped, bytes_problem, can_verify
 
@@ -236,6 +237,7 @@ class LatestResolver:
             if record is not None:
                 self._note_world(record, path)
             return result
+        refused_error(failures, error)
         kind = failure_kind(failures)
         if record is not None:
             self._skip(storage, record.name, kind, failures, explicit=True)
@@ -267,6 +269,7 @@ class LatestResolver:
             if not failures:
                 self._resolved(record, path, skipped)
                 return result
+            refused_error(failures, error)  # not this checkpoint's fault: the older ones would be refused too
             kind = failure_kind(failures)
             skipped.append((record.name, kind))
             self._skip(storage, record.name, kind, failures)
@@ -307,6 +310,7 @@ class LatestResolver:
         problem = storage.check(record)  # sizes, archive directory
         if problem is not None:
             raise DamagedCheckpointError(f"{path}: {problem}")
+        check_resume(self.trainer, record, path)  # a strategy change its layout cannot follow: refused
         rank, world = self.trainer.global_rank, max(1, self.trainer.world_size)
         check = functools.partial(bytes_problem, storage, record, rank, world)
         if not can_verify(record):
@@ -404,14 +408,7 @@ class LatestResolver:
         self._note_world(record, resolved)
 
     def _note_world(self, record: Record, path: str) -> None:
-        world = self.trainer.world_size
-        if record.world_size and record.world_size != world:
-            announce(
-                "lplugins: %s was saved by %d process(es) (%s); resuming on %d (%s): the per-rank state"
-                " (RNG, data order) of the saving run cannot be continued exactly",
-                path, record.world_size, record.strategy or "unknown strategy", world,
-                type(self.trainer.strategy).__name__,
-            )  # fmt: skip
+        describe_resume(self.trainer, record, path)
 
     # ------------------------------------------------------------------------------------------ installing
     def install(self) -> None:
@@ -451,6 +448,23 @@ class LatestResolver:
             return self.load(checkpoint_path, attempt, in_place=True)
 
         return load_checkpoint
+
+
+#: Errors that refuse a resume on this world size or strategy (by class name, as failures travel between ranks).
+REFUSALS = ("ReshardError", "DeepSpeedReshardError")
+
+
+def refused_error(failures: list[tuple[int, str]], error: BaseException | None) -> None:
+    """Raise on every rank when a rank refused the resume (:data:`REFUSALS`): this rank's own error, or a
+    :class:`~lplugins.callbacks._reshard.ReshardError` with the refusing rank's message."""
+    from lplugins.callbacks._reshard import ReshardError
+
+    for rank, text in failures:
+        kind, _, message = text.partition(": ")
+        if kind in REFUSALS:
+            if error is not None and type(error).__name__ in REFUSALS:
+                raise error
+            raise ReshardError(f"{message.strip()} (refused on rank {rank})")
 
 
 def warn_not_weights_only(path: str) -> None:

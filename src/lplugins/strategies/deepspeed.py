@@ -24,8 +24,12 @@ built.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-from collections.abc import Mapping
+import os
+import re
+import shutil
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from os import PathLike
 from typing import TYPE_CHECKING, Any
@@ -39,6 +43,8 @@ from typing_extensions import override
 from lplugins import _lightning
 from lplugins._errors import LPluginsError
 from lplugins._validate import is_int, positive_int
+from lplugins._watchdog import add_note
+from lplugins.strategies import _elastic
 from lplugins.strategies._ds_config import (
     DeepSpeedConfigError,
     TrainerFacts,
@@ -57,7 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lplugins")
 
-__all__ = ["DeepSpeedEngineNotReady", "DeepSpeedStrategy"]
+__all__ = ["DeepSpeedEngineNotReady", "DeepSpeedReshardError", "DeepSpeedStrategy"]
 
 
 class DeepSpeedEngineNotReady(LPluginsError, RuntimeError):
@@ -123,6 +129,8 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
 
     @override
     def setup_distributed(self) -> None:
+        # under torchrun: store keys of this attempt's own; deepspeed.init_distributed then finds the group made
+        _elastic.init_process_group(self)
         if not self._on_cpu:
             super().setup_distributed()
             return
@@ -211,8 +219,57 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
             UnsafeCheckpointError: a file of the checkpoint holds a type outside the allow-list (named).
         """
         checkpoint: dict[str, Any] = _lightning.load_weights_only(
-            self, super().load_checkpoint, checkpoint_path, weights_only
+            self, self._load_any_world_size, checkpoint_path, weights_only
         )
+        return checkpoint
+
+    def _load_any_world_size(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load; a ZeRO checkpoint of another DP world size through DeepSpeed's universal checkpoint.
+
+        DeepSpeed refuses a ZeRO checkpoint saved by another number of data-parallel ranks. Here rank zero
+        converts it (``deepspeed.checkpoint.ds_to_universal``, in this process) into a temporary directory
+        next to it, ``.tmp.universal.<name>`` (the original is only read), every rank loads that copy with
+        DeepSpeed's universal loader (fp32 weights and Adam moments re-partitioned for this world size),
+        and the copy is removed once every rank has read it (after a crash, the next start of a
+        ``DurableCheckpoint`` removes it as a leftover).
+
+        Raises:
+            DeepSpeedReshardError: on every rank, when the conversion fails (rank zero's error in the message).
+        """
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        load = super().load_checkpoint
+        saved = saved_dp_world_size(checkpoint_path)
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if not fitting or saved is None or saved == self.world_size or (self.load_full_weights and self.zero_stage_3):
+            return load(checkpoint_path, weights_only)  # validate/test/predict load no optimizer state: as before
+        path = os.fspath(checkpoint_path).rstrip("/")
+        parent, name = os.path.split(path)
+        work = os.path.join(parent, f"{_UNIVERSAL_PREFIX}{name}")
+        error: str | None = None
+        if self.is_global_zero:
+            try:
+                seconds = convert_to_universal(path, work)
+                rank_zero_info(
+                    f"lplugins: DeepSpeed checkpoint {path} was saved by {saved} data-parallel rank(s); converted"
+                    f" to a universal checkpoint in {seconds:.1f}s to load on {self.world_size}"
+                )
+            except Exception as err:  # said on every rank below
+                error = f"{type(err).__name__}: {err}"
+        error = self.broadcast(error)
+        if error is not None:
+            raise DeepSpeedReshardError(
+                f"Cannot resume DeepSpeed checkpoint {path} (saved by {saved} data-parallel rank(s)) on"
+                f" {self.world_size}: converting it to a universal checkpoint failed on rank 0 ({error}). Resume"
+                f" it on {saved} rank(s), or convert it yourself with DeepSpeed's ds_to_universal and load the"
+                " result with 'checkpoint': {'load_universal': true} in the DeepSpeed config."
+            )
+        with universal_load(self.deepspeed_engine):
+            checkpoint: dict[str, Any] = load(work, weights_only)
+        self.barrier("lplugins.deepspeed.universal_loaded")  # every rank has read the copy
+        if self.is_global_zero:
+            shutil.rmtree(work, ignore_errors=True)
         return checkpoint
 
     # ------------------------------------------------------------------ config
@@ -304,6 +361,94 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
     def __repr__(self) -> str:
         stage = (self.config or {}).get("zero_optimization", {}).get("stage") if isinstance(self.config, dict) else None
         return f"lplugins.strategies.DeepSpeedStrategy(stage={stage}, timeout={_lightning.strategy_timeout(self)})"
+
+
+class DeepSpeedReshardError(LPluginsError, RuntimeError):
+    """A ZeRO checkpoint of another data-parallel world size could not be converted to load on this one."""
+
+
+#: The temporary directory (next to the checkpoint) a checkpoint is converted into to load on another world size;
+#: it starts with ``DurableCheckpoint``'s temporary prefix, so a leftover is removed at the next start.
+_UNIVERSAL_PREFIX = ".tmp.universal."
+_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def _tag_dir(path: str) -> str:
+    """The directory of the tag ``path/latest`` names (Lightning saves one tag per checkpoint directory)."""
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        if tag and os.path.isdir(os.path.join(path, tag)):
+            return os.path.join(path, tag)
+    return path
+
+
+def saved_dp_world_size(checkpoint_path: Any) -> int | None:
+    """The number of data-parallel ranks that saved the ZeRO checkpoint directory ``checkpoint_path`` (``None``:
+    not a ZeRO checkpoint directory).
+
+    Counted from its optimizer-state files, one per data-parallel rank
+    (``zero_pp_rank_<R>_mp_rank_00_optim_states.pt``).
+    """
+    path = os.fspath(checkpoint_path)
+    if not os.path.isdir(path):
+        return None
+    tag_dir = _tag_dir(path)
+    ranks = {int(m.group(1)) for entry in os.listdir(tag_dir) if (m := _ZERO_FILE.match(entry))}
+    return len(ranks) or None
+
+
+@contextlib.contextmanager
+def universal_load(engine: Any) -> Iterator[None]:
+    """Within the block, ``engine.load_checkpoint`` reads a universal checkpoint.
+
+    As ``"checkpoint": {"load_universal": true}`` in the config would, for this load only: every place the
+    engine decides asks its public ``load_universal_checkpoint()``, answered ``True`` here on the instance.
+    """
+    engine.load_universal_checkpoint = lambda: True
+    try:
+        yield
+    finally:
+        del engine.load_universal_checkpoint
+
+
+def convert_to_universal(checkpoint_path: str, work: str) -> float:
+    """Convert the ZeRO checkpoint directory ``checkpoint_path`` into a universal checkpoint in ``work``.
+
+    ``work`` gets ``latest_universal`` and the tag directory (DeepSpeed's ``ds_to_universal``, run in this
+    process, with one worker, its output kept off the console); ``checkpoint_path`` is only read. The files
+    were read weights-only before (see :func:`lplugins._lightning.load_weights_only`).
+
+    Returns:
+        The seconds the conversion took.
+
+    Raises:
+        Exception: whatever DeepSpeed's converter raises (with its last output lines as a note).
+    """
+    import io
+    import time
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag_dir = _tag_dir(checkpoint_path)
+    start = time.perf_counter()
+    shutil.rmtree(work, ignore_errors=True)
+    args = argparse.Namespace(
+        input_folder=tag_dir, output_folder=os.path.join(work, os.path.basename(tag_dir)), num_extract_workers=1,
+        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+    )  # fmt: skip
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            ds_to_universal.main(args)
+    except BaseException as err:
+        tail = "\n".join(out.getvalue().strip().splitlines()[-5:])
+        if tail:
+            add_note(err, f"ds_to_universal said:\n{tail}")
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return time.perf_counter() - start
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lplugins import _lightning
 from lplugins._errors import LPluginsError
+from lplugins.strategies import _elastic
 from lplugins.strategies.timeout import resolve_timeout
 
 __all__ = ["FSDP2Strategy"]
@@ -90,6 +91,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         _lightning.shard_over_all_ranks(self)  # Lightning's "auto" shards over nodes only
+        _elastic.init_process_group(self)  # under torchrun: store keys of this attempt's own
         super().setup_environment()
 
     def setup(self, trainer: Trainer) -> None:

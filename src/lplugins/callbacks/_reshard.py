@@ -1,0 +1,124 @@
+"""Resuming on another world size: what happens to a checkpoint written by N ranks resumed on M, and what is refused.
+
+The commit marker records the world size and the strategy class that wrote a checkpoint
+(:class:`~lplugins.callbacks._record.Record`). Before a committed checkpoint is loaded,
+:func:`check_resume` compares them with the run that loads it:
+
+* a change of strategy *family* that the checkpoint's layout cannot follow is refused, on every rank,
+  before anything is loaded (:class:`ReshardError`): a directory checkpoint (DeepSpeed ZeRO, or a
+  torch distributed checkpoint of FSDP2) only loads into its own family, and DeepSpeed loads only
+  its own directories;
+* after the load, :func:`describe_resume` says once, on rank zero, what happens to each part of the
+  state on the new world size ("resuming a checkpoint written by 2 ranks on 3 ranks: ...").
+
+The parts themselves are done where they live: the strategies reshard (FSDP2: torch distributed
+checkpoint reads the slices each rank now owns; DeepSpeed: the ZeRO checkpoint is converted to a
+universal checkpoint and re-partitioned), :class:`~lplugins.callbacks._position.DataPosition`
+converts or restarts the epoch in progress, and the accumulation scheduler re-derives its factor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lplugins._log import announce
+from lplugins.callbacks._errors import CheckpointResumeError
+from lplugins.callbacks._record import Record
+
+# No Lightning import: this module is one for both Lightning namespaces (the trainer is duck-typed, strategies are
+# told apart by class name), so ReshardError is one class for both.
+Trainer = Any
+
+__all__ = ["ReshardError", "check_resume", "describe_resume", "family"]
+
+#: Strategy families: checkpoints of one family share a layout.
+UNSHARDED, FSDP2, FSDP1, DEEPSPEED = "unsharded (DDP, single device)", "FSDP2", "FSDP", "DeepSpeed"
+_KNOWN = {
+    "SingleDeviceStrategy": UNSHARDED,
+    "DDPStrategy": UNSHARDED,
+    "DDPSpawnStrategy": UNSHARDED,
+    "FSDP2Strategy": FSDP2,
+    "ModelParallelStrategy": FSDP2,
+    "FSDPStrategy": FSDP1,
+    "DeepSpeedStrategy": DEEPSPEED,
+}
+
+
+class ReshardError(CheckpointResumeError):
+    """A checkpoint cannot be resumed on this world size or with this strategy (refused before loading it).
+
+    Raised on every rank; ``ckpt_path="latest"`` does not fall back past it to an older checkpoint (they
+    were written by the same run, and would be refused the same way).
+    """
+
+
+def family(strategy: str | type) -> str | None:
+    """The family of a strategy (its class, or the class name a commit marker records); ``None``: unknown.
+
+    >>> family("DDPStrategy"), family("DeepSpeedStrategy"), family("MyStrategy")
+    ('unsharded (DDP, single device)', 'DeepSpeed', None)
+    """
+    if isinstance(strategy, type):
+        for cls in strategy.__mro__:
+            if cls.__name__ in _KNOWN:
+                return _KNOWN[cls.__name__]
+        return None
+    if strategy in _KNOWN:
+        return _KNOWN[strategy]
+    # a subclass recorded by its own name (lplugins' own keep Lightning's names)
+    for part, found in (("DeepSpeed", DEEPSPEED), ("FSDP2", FSDP2), ("FSDP", FSDP1), ("DDP", UNSHARDED)):
+        if part in strategy:
+            return found
+    return None
+
+
+def check_resume(trainer: Trainer, record: Record, path: str) -> None:
+    """Refuse, before loading ``record``, a strategy change its layout cannot follow.
+
+    Raises:
+        ReshardError: the checkpoint's strategy family differs from this run's and its layout cannot be
+            loaded by this one (the message says what to do).
+    """
+    saved, now = family(record.strategy) if record.strategy else None, family(type(trainer.strategy))
+    if saved is None or now is None or saved == now:
+        return
+    strategy = trainer.strategy  # DeepSpeed loads one full file with load_full_weights=True under ZeRO-3
+    full_file = bool(getattr(strategy, "load_full_weights", False) and getattr(strategy, "zero_stage_3", False))
+    if record.kind == "dir" or (now == DEEPSPEED and not full_file):
+        layout = "a sharded directory" if record.kind == "dir" else "one checkpoint file"
+        raise ReshardError(
+            f"Cannot resume {path} with {type(trainer.strategy).__name__} ({now}): it was written by"
+            f" {record.strategy} ({saved}) on {record.world_size or '?'} rank(s), as {layout} only that family"
+            f" loads. Resume it with the {saved} strategy it was written with (any number of ranks), or start"
+            " a new run from its weights (e.g. LightningModule.load_from_checkpoint after consolidating them)."
+        )
+
+
+def describe_resume(trainer: Trainer, record: Record, path: str) -> None:
+    """Say once, on rank zero, what happens to the state of a checkpoint written on another world size."""
+    world = trainer.world_size
+    saved = record.world_size
+    if not saved or saved == world:
+        return
+    now = family(type(trainer.strategy))
+    name = type(trainer.strategy).__name__
+    if now == DEEPSPEED:
+        how = (
+            "the ZeRO partitions were converted to a DeepSpeed universal checkpoint (a temporary copy; the"
+            f" checkpoint itself is unchanged) and re-partitioned over {world} rank(s): fp32 weights and optimizer"
+            " moments exactly as saved"
+        )
+    elif now == FSDP2 and record.kind == "dir":
+        how = f"the sharded checkpoint (torch distributed checkpoint) was resharded on load over {world} rank(s)"
+    elif now == FSDP2:
+        how = f"the full checkpoint file was sharded over {world} rank(s) on load"
+    elif now == UNSHARDED:
+        how = "model and optimizer state are whole in it and were loaded as they are"
+    else:
+        how = f"{name} loaded it (lplugins does not know how it handles another world size)"
+    announce(
+        "lplugins: resuming a checkpoint written by %d rank(s) on %d rank(s): %s (%s -> %s); global_step, epoch"
+        " and LR schedulers continue; the RNG states of the saving ranks are not restored; what happens to an"
+        " epoch in progress and to gradient accumulation is said next (when there is one).",
+        saved, world, how, record.strategy or "unknown strategy", name,
+    )  # fmt: skip
