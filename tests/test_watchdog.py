@@ -8,7 +8,9 @@ the watchdog's doing, not gloo's.
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,29 @@ def test_board_agrees_through_the_store_and_lets_the_group_go(monkeypatch: pytes
         assert not board.is_for(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(30)
+def test_a_fork_waits_until_the_watchdog_thread_is_between_ticks() -> None:
+    """A DataLoader worker forked while the watchdog thread is mid-tick (holding the store client's or
+    logging's locks) would inherit them held and could hang: forks wait for the tick to end."""
+    inside = threading.Event()
+    ticking = {"now": False}
+
+    def tick() -> None:
+        with _watchdog._fork_guard.lock:
+            ticking["now"] = True
+            inside.set()
+            time.sleep(0.5)
+            ticking["now"] = False
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    inside.wait(5)
+    pid = os.fork()
+    if pid == 0:  # the child: what the tick was doing when it was copied; its guard is free
+        free = _watchdog._fork_guard.lock.acquire(timeout=1)
+        os._exit(10 * int(ticking["now"]) + int(not free))
+    thread.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

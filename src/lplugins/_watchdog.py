@@ -618,6 +618,39 @@ class _State:
     anchor: FrameType | None = None  # the innermost frame: another object when the call was left and made again
 
 
+class _ForkGuard:
+    """Holds forks back while the watchdog thread samples or talks to the store.
+
+    A child forked while this thread holds a lock (the store client's, logging's, the import lock)
+    inherits it held, and can hang the first time it needs it: a DataLoader worker started mid-tick.
+    ``os.register_at_fork`` takes the lock around every fork (waiting at most a few seconds).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held = False
+
+    def before(self) -> None:
+        self.held = self.lock.acquire(timeout=5)
+
+    def after_in_parent(self) -> None:
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+    def after_in_child(self) -> None:
+        self.lock = threading.Lock()  # the watchdog thread does not exist in the child
+        self.held = False
+
+
+_fork_guard = _ForkGuard()
+os.register_at_fork(
+    before=_fork_guard.before,
+    after_in_parent=_fork_guard.after_in_parent,
+    after_in_child=_fork_guard.after_in_child,
+)
+
+
 class _Watchdog(threading.Thread):
     def __init__(self, interval: float) -> None:
         super().__init__(name="lplugins-collective-watchdog", daemon=True)
@@ -631,7 +664,8 @@ class _Watchdog(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
-                self.tick()
+                with _fork_guard.lock:  # a fork (a DataLoader worker) never copies this thread mid-tick
+                    self.tick()
             except Exception as err:  # a watchdog never takes the process down
                 if self.board is not None and not self.board.dead:
                     self.board.dead = True  # most likely rank 0's process (the store) is gone
