@@ -250,3 +250,48 @@ def test_a_fork_waits_until_the_watchdog_thread_is_between_ticks() -> None:
     thread.join()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+AGREE_THEN_LEAVE = (
+    LAUNCH
+    + r"""
+import time
+import torch.distributed as dist
+from lplugins import _watchdog
+
+RANK = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=RANK, world_size=2)  # rank 0's process hosts the store
+if RANK == 1:  # descheduled between posting its answer and reading rank 0's (a loaded 2-core machine)
+    collect = _watchdog.Board._collect
+
+    def slow_collect(self, n, wait):
+        time.sleep(1.0)
+        return collect(self, n, wait)
+
+    _watchdog.Board._collect = slow_collect
+out = {"rank": RANK}
+try:
+    for _ in range(3):  # also lets rank 0 forget an earlier round's keys
+        out["failures"] = _watchdog.agree(None, "a background checkpoint write").failures
+    out["ok"] = True
+except BaseException as err:
+    out["error"] = f"{type(err).__name__}: {err}"
+with open(f"out{RANK}.json", "w") as f:
+    json.dump(out, f)
+if RANK == 0:
+    os._exit(0)  # rank 0 leaves at once, as a clean run's rank 0 does after on_train_end: the store goes with it
+dist.destroy_process_group()
+"""
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_rank_zero_does_not_take_the_store_away_while_a_slower_rank_still_reads_the_agreement(tmp_path: Path) -> None:
+    """The clean-run false failure of #24: rank 0 (the store's host) had every answer and left, and a
+    slower rank 1 failed with 'could not reach the other ranks to agree' on a run with no fault."""
+    run_script(AGREE_THEN_LEAVE, tmp_path, timeout=100, env={"JOB_DEADLINE": "60"}).check()
+    launch = json.loads((tmp_path / "launch.json").read_text())
+    outs = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]
+    assert outs == [{"rank": 0, "failures": [], "ok": True}, {"rank": 1, "failures": [], "ok": True}], outs
+    assert launch["codes"] == [0, 0]

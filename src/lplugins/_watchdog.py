@@ -66,6 +66,8 @@ SILENT_RANK_S = 90.0
 STOP_GRACE_S = 2.0
 #: ... and how old the heartbeat of a rank on another node must be to count it gone (two heartbeats missed).
 STALE_HEARTBEAT_S = 2 * HEARTBEAT_INTERVALS + 2.0
+#: Seconds rank 0 waits, after an agreement, for every rank to say it has read the answers.
+RELEASE_WAIT_S = 10.0
 
 #: The ``torch.distributed`` functions that are collectives (the outermost one on the stack is named).
 COLLECTIVES = frozenset(
@@ -370,11 +372,40 @@ class Board:
                     pre.first = self.rank
             return pre
         try:
-            return self._collect(n, wait)
+            result = self._collect(n, wait)
         finally:
             self.waiting = None
-            if n > 2:
-                self._forget(f"agree/{n - 2}/{self.rank}")
+        if n > 2:
+            self._forget(f"agree/{n - 2}/{self.rank}")
+        self._release(n, result)
+        return result
+
+    def _release(self, n: int, result: Agreement) -> None:
+        """Say that this rank has read round ``n``; rank 0 (the store's host) waits until every rank has.
+
+        Rank 0's process hosts the store (outside torchrun): once it has every answer it may end, and
+        the store with it, while a slower rank is still reading the answers. So every rank counts
+        itself out (its last store call of the round) and rank 0 goes on only when all ranks that
+        answered themselves have, or after :data:`RELEASE_WAIT_S` (a rank that died after answering
+        is reported by what comes next, not here).
+        """
+        key = f"agree/{n}/read"
+        try:
+            self.store.add(key, 1)
+        except RuntimeError:  # the host has gone after every rank answered: nothing left to read
+            return
+        if self.rank != 0 or result.missing:
+            return
+        expected = self.world - len(result.blocked)  # a rank answered for by its watchdog reads nothing
+        deadline, pause = time.monotonic() + RELEASE_WAIT_S, 0.0005
+        while int(self.store.add(key, 0)) < expected:
+            if time.monotonic() > deadline:
+                log.debug("lplugins: not every rank confirmed reading agreement round %d within %gs", n, RELEASE_WAIT_S)
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        if n > 2:
+            self._forget(f"agree/{n - 2}/read")
 
     def _collect(self, n: int, wait: float) -> Agreement:
         keys = {r: f"agree/{n}/{r}" for r in range(self.world)}
