@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lplugins.callbacks import DurableCheckpoint
 from lplugins.callbacks._resume import LatestResolver, load_weights_only
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._verify import hash_threads
 from lplugins.callbacks._writer import tree_crc32s
 

@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lplugins.callbacks import DurableCheckpoint, latest_checkpoint  # noqa: E402
 from lplugins.callbacks._record import COMMIT_SUFFIX, QUARANTINE, TMP_PREFIX, Record, order  # noqa: E402
-from lplugins.callbacks._storage import open_storage  # noqa: E402
+from lplugins.callbacks._storages import open_storage  # noqa: E402
 
 SAVE_EVERY = 1
 MAX_IN_FLIGHT = 1

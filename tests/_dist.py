@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,3 +81,12 @@ def run_script(
         except ProcessLookupError:
             pass
     return Result(proc.returncode, out, err)
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` imported as a module (e.g. ``mirror_pl``, the twins' generator)."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

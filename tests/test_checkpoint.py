@@ -20,7 +20,7 @@ from lplugins.callbacks import (
     request_checkpoint,
 )
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storages import open_storage
 from tests.models import Regression, regression_loader
 
 STEPS_PER_EPOCH = 4

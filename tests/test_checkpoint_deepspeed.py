@@ -17,7 +17,7 @@ import torch
 import lightning.pytorch as pl
 import lplugins
 from lplugins.callbacks import DurableCheckpoint, latest_checkpoint
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storages import open_storage
 from tests.models import Regression, regression_loader
 
 
@@ -68,7 +68,7 @@ import json
 import lightning.pytorch as pl
 import lplugins
 from lplugins.callbacks import DurableCheckpoint
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storages import open_storage
 from tests.models import Regression, regression_loader
 
 cb = DurableCheckpoint("ckpts", every_n_steps=2, keep_last=None, save_on_train_end=False)

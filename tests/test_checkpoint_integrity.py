@@ -27,7 +27,7 @@ from lplugins.callbacks import (
     latest_checkpoint,
 )
 from lplugins.callbacks._record import COMMIT_SUFFIX, QUARANTINE, Record
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._stream import StreamWriter
 from lplugins.callbacks._verify import bytes_problem
 from lplugins.callbacks._writer import tree_crc32s
@@ -367,7 +367,7 @@ import json, sys
 import lightning.pytorch as pl
 import lplugins
 from lplugins.callbacks import DurableCheckpoint
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storages import open_storage
 from tests.models import Regression, regression_loader
 
 class Start(pl.Callback):

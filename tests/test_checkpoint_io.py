@@ -23,7 +23,8 @@ from lplugins.callbacks._async import DeferredCopy, snapshot
 from lplugins.callbacks._crc import crc32_combine
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record
 from lplugins.callbacks._serialization import cpu_storages, torch_save
-from lplugins.callbacks._storage import Storage, open_storage
+from lplugins.callbacks._storage import Storage
+from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._stream import StreamWriter
 from tests.test_checkpoint import fit, names, steps
 

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 import lplugins
 from lplugins.callbacks import CheckpointConfigError, DurableCheckpoint, latest_checkpoint
 from lplugins.callbacks._record import COMMIT_SUFFIX
-from lplugins.callbacks._storage import open_storage
+from lplugins.callbacks._storages import open_storage
 from tests.models import Regression, regression_loader
 
 BATCHES_PER_EPOCH = 8

@@ -89,7 +89,7 @@ def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, mo
 # ------------------------------------------------------------------------ docs/architecture.md
 SRC = DOCS.parent / "src" / "lplugins"
 COMPONENTS = ("callbacks", "accumulation", "precision", "strategies", "metrics")
-FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_exit", "_watchdog", "rankzero", "_namespace")
+FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_exit", "_watchdog", "rankzero", "_namespace", "_imports")
 MACHINERY = ("_manager", "_discovery", "_env", "_hooks", "_mirror", "_registry", "hookspecs")
 
 
@@ -110,8 +110,17 @@ def _module_map() -> set[str]:
     return paths
 
 
+def _own_sources() -> list[Path]:
+    """lplugins' modules but the generated ``pytorch_lightning`` twins (``_pl/``: their sources stand for them)."""
+    return sorted(
+        p for p in SRC.rglob("*.py") if p.relative_to(SRC).parts[0] != "_pl" or p == SRC / "_pl" / "__init__.py"
+    )
+
+
 def test_architecture_module_map_matches_the_tree() -> None:
-    on_disk = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")}
+    on_disk = {
+        p.relative_to(SRC).as_posix() for p in _own_sources() if p.parent.name != "_pl" or p.parent == SRC / "_pl"
+    }
     in_map = _module_map()
     assert not on_disk - in_map, f"docs/architecture.md: add to the module map: {sorted(on_disk - in_map)}"
     assert not in_map - on_disk, f"docs/architecture.md: no longer exist: {sorted(in_map - on_disk)}"
@@ -148,7 +157,7 @@ def _area(module: str) -> str:
 def test_import_arrows_point_down() -> None:
     """The rules of docs/architecture.md ("The arrows"), checked on every module's imports."""
     wrong = []
-    for path in sorted(SRC.rglob("*.py")):
+    for path in _own_sources():
         rel = path.relative_to(SRC).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
         area = rel.split(".")[0]
         for target, module_level in _imports(path):
@@ -164,6 +173,62 @@ def test_import_arrows_point_down() -> None:
             if area == "_builtins" and module_level and to not in ("hookspecs", *FOUNDATION):
                 wrong.append(f"{rel} (a built-in) imports {target} at module level: import it inside the factory")
     assert not wrong, "imports against the arrows of docs/architecture.md:\n  " + "\n  ".join(wrong)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """lplugins module -> the lplugins modules it imports (anywhere in it, ``TYPE_CHECKING`` included)."""
+    files = {
+        "lplugins." + p.relative_to(SRC).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__"): p
+        for p in _own_sources()
+        if p.relative_to(SRC).parts[0] != "_pl"
+    }
+    files["lplugins"] = files.pop("lplugins.__init__", SRC / "__init__.py")
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                candidates = [f"{node.module}.{a.name}" for a in node.names]
+                targets |= {c for c in candidates if c in files} or ({node.module} & set(files))
+                targets |= {node.module} & set(files) if any(c not in files for c in candidates) else set()
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names} & set(files)
+        graph[name] = targets - {name}
+    return graph
+
+
+def test_no_import_circles() -> None:
+    """No two lplugins modules import each other, directly or through others (function-level and
+    ``TYPE_CHECKING`` imports count: a circle is a design knot even when Python tolerates it)."""
+    graph = _module_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert not circles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in circles)
 
 
 #: Each API reference page and the module it documents (mkdocs.yml's "API reference").

@@ -163,33 +163,3 @@ def test_compose_trainer_builds_the_namespace_it_was_given_and_says_when_it_chos
     with caplog.at_level("INFO", logger="lplugins"):
         lplugins.compose(accelerator="cpu", callbacks=[pl.callbacks.LearningRateMonitor()])
     assert "compose() builds for a pytorch_lightning.Trainer (a pytorch_lightning object was passed)" in caplog.text
-
-
-def test_twins_rewrite_lightning_and_share_what_does_not_face_it() -> None:
-    import importlib
-
-    from lplugins import _namespace
-
-    source = (
-        "from lightning.pytorch.callbacks import Callback\n"
-        "import lightning.fabric\n"
-        "from lplugins import _lightning, _log\n"
-        "from lplugins.callbacks._resume import x\n"
-    )
-    rewritten = _namespace.rewrite(source)
-    assert rewritten.count("\n") == source.count("\n")  # tracebacks keep their line numbers
-    assert "from pytorch_lightning.callbacks import Callback" in rewritten
-    assert "import lightning_fabric" in rewritten
-    assert "from lplugins._pl import _lightning; from lplugins import _log" in rewritten
-    assert "from lplugins._pl.callbacks._resume import x" in rewritten
-    # the bare package would import lightning.pytorch; a CLI flag is not a module
-    bare = "    import lightning\n    v = lightning.__version__\nflag = '--lplugins.precision'\n"
-    assert _namespace.rewrite(bare) == (
-        "    import pytorch_lightning as lightning\n    v = lightning.__version__\nflag = '--lplugins.precision'\n"
-    )
-    # pure-Python parts are one module (one class) for both namespaces; Lightning-facing ones are twins
-    for shared in ("accumulation._schedules", "callbacks._retention", "callbacks._errors"):
-        assert importlib.import_module(f"lplugins._pl.{shared}") is importlib.import_module(f"lplugins.{shared}")
-    twin = importlib.import_module("lplugins._pl.callbacks.checkpoint")
-    assert twin is not importlib.import_module("lplugins.callbacks.checkpoint")
-    assert issubclass(twin.DurableCheckpoint, pl.callbacks.Checkpoint)

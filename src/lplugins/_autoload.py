@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from lplugins import _namespace
 from lplugins._env import AUTO_NAMES, env_flag
+from lplugins._imports import on_import
 
 #: The packages whose first import loads the plugins.
 WATCHED = ("lightning.pytorch", "pytorch_lightning")
@@ -45,7 +45,7 @@ def _load(module: ModuleType) -> None:
 def install() -> None:
     """Load the plugins when a Lightning namespace is first imported (at once if one already is)."""
     for name in WATCHED:
-        _namespace.on_import(name, _load)
+        on_import(name, _load)
 
 
 if env_flag(AUTO_NAMES):

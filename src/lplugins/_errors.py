@@ -6,6 +6,7 @@ Every error names the offending value and says what is allowed, in the style of 
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -96,17 +97,13 @@ class BlockedNameError(UnknownNameError):
 
 def unknown_name_message(kind: str, name: object, available: Iterable[str], *, hint: str | None = None) -> str:
     """Build the message for an unknown name, with the closest match (or ``hint``) if there is one."""
-    from lplugins._validate import did_you_mean  # _validate imports this module
-
     names = sorted(available)
     msg = f"Unknown {kind} {name!r}. Available {kind} names: {', '.join(names) if names else '(none)'}."
     return msg + (f" Did you mean {hint!r}?" if hint else did_you_mean(name, names))
 
 
 def closest(name: str, choices: Iterable[str]) -> str | None:
-    """Return the closest of ``choices`` to ``name`` or ``None`` (:func:`lplugins._validate.suggest`)."""
-    from lplugins._validate import suggest  # _validate imports this module
-
+    """Return the closest of ``choices`` to ``name`` or ``None`` (:func:`suggest`)."""
     return suggest(name, choices)
 
 
@@ -137,3 +134,23 @@ class UnsafeCheckpointError(LPluginsError, RuntimeError):
     the built-in strategies that load their own files (DeepSpeed, FSDP2); exported as
     ``lplugins.callbacks.UnsafeCheckpointError``.
     """
+
+
+def suggest(name: object, choices: Iterable[str]) -> str | None:
+    """Return the closest of ``choices`` to ``name``, or ``None``.
+
+    >>> suggest("dpp", ["ddp", "fsdp"])
+    'ddp'
+    """
+    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(name: object, choices: Iterable[str]) -> str:
+    """The ``" Did you mean 'x'?"`` suffix for an error message, or ``""`` when nothing is close.
+
+    >>> "Unknown strategy 'dpp'." + did_you_mean("dpp", ["ddp", "fsdp"])
+    "Unknown strategy 'dpp'. Did you mean 'ddp'?"
+    """
+    hint = suggest(name, choices)
+    return f" Did you mean {hint!r}?" if hint else ""

@@ -8,7 +8,7 @@ one's entry and restores it when it closes.
 
 ``lightning.pytorch`` and ``pytorch_lightning`` each have a ``StrategyRegistry``. The mirror writes
 into the registries of the namespaces the process has imported and into the others when they are
-imported later (:func:`lplugins._namespace.on_import`): it never imports a namespace the process
+imported later (:func:`lplugins._imports.on_import`): it never imports a namespace the process
 has not imported, except when neither is (then the installed one, ``lightning`` when both are).
 """
 
@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lplugins import _namespace
+from lplugins._imports import on_import
 from lplugins._registry import Component
 
 #: Strategy names that some lplugins manager in this process mirrored into Lightning's registry,
@@ -102,7 +103,7 @@ class StrategyMirror:
         _LIVE.add(self)
         for module_name in REGISTRY_MODULES.values():
             if module_name not in sys.modules:
-                _namespace.on_import(module_name, _mirror_into_new)
+                on_import(module_name, _mirror_into_new)
 
     def _add_to(self, namespace: str, registry: Any, component: Component) -> None:
         """Register ``component`` in ``namespace``'s ``registry``, shadowing what is there."""

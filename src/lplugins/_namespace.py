@@ -2,12 +2,10 @@
 
 The two are separate class hierarchies (``lightning.pytorch`` + ``lightning.fabric``,
 ``pytorch_lightning`` + ``lightning_fabric``): a Trainer of one refuses strategies and plugins of
-the other. lplugins writes its Lightning-facing modules once, for ``lightning.pytorch``, and
-materialises a *twin* of each for ``pytorch_lightning`` on demand, the way Lightning builds
-``pytorch_lightning`` from ``lightning.pytorch``: ``lplugins._pl.X`` is the source of ``lplugins.X``
-with ``lightning.pytorch`` -> ``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric`` and
-its imports of other twinned lplugins modules pointed at their twins. The machinery (manager,
-registry, hookspecs, errors, ``_log``, ``_watchdog``, ``rankzero``) is not twinned: one plugin
+the other. lplugins writes its Lightning-facing modules once, for ``lightning.pytorch``; their
+``pytorch_lightning`` twins ``lplugins._pl.X`` are generated from the same source at build time
+(``scripts/mirror_pl.py``, committed; a test regenerates and compares). Modules that do not face
+Lightning (the plugin system, the watchdog, schedules, storage, errors) have no twin: one plugin
 manager, one registry and one ``LPluginsError`` serve both.
 
 A registered component is built for the namespace :func:`current` names (set by ``compose``,
@@ -23,12 +21,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
-import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -41,20 +36,6 @@ NAMESPACES: dict[str, tuple[str, str]] = {
 }
 #: The package the ``pytorch_lightning`` twins live under.
 TWIN_PACKAGE = "lplugins._pl"
-#: lplugins modules and packages that face Lightning, and are therefore twinned.
-TWINNED = (
-    "_compose",
-    "_pairs",
-    "_lightning",
-    "_factory",
-    "_builtins",
-    "callbacks",
-    "accumulation",
-    "precision",
-    "strategies",
-    "metrics",
-    "lightning_cli",
-)
 
 _current: contextvars.ContextVar[str] = contextvars.ContextVar("lplugins_namespace", default=LIGHTNING)
 
@@ -146,8 +127,23 @@ def twin_name(module_name: str, namespace: str) -> str:
 
 
 def module_for(module_name: str, namespace: str) -> ModuleType:
-    """Import ``module_name`` (an ``lplugins`` module) as written for ``namespace``."""
-    return importlib.import_module(twin_name(module_name, namespace))
+    """Import ``module_name`` (an ``lplugins`` module) as written for ``namespace``: its twin, or the
+    module itself when it has none (it does not face Lightning and serves both)."""
+    name = twin_name(module_name, namespace)
+    if name != module_name and not has_twin(module_name):
+        name = twin_name(module_name, LIGHTNING)
+    return importlib.import_module(name)
+
+
+def has_twin(module_name: str) -> bool:
+    """Whether ``module_name`` (``lplugins.X``) has a ``pytorch_lightning`` twin (it faces Lightning)."""
+    name = twin_name(module_name, PYTORCH_LIGHTNING)
+    if name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a package above it has no twin either
+        return False
 
 
 def lightning_class(namespace: str, module: str, name: str) -> Any:
@@ -238,281 +234,3 @@ def check_built(obj: Any, *, kind: str, name: str, plugin: str, namespace: str |
         f"names ('lightning' -> {NAMESPACES[LIGHTNING][0]}, 'pytorch_lightning' -> "
         f"{NAMESPACES[PYTORCH_LIGHTNING][0]}) to serve both (see docs/hooks.md, 'Both namespaces')."
     )
-
-
-# --- the twins: lplugins.X rewritten for pytorch_lightning ----------------------------------------
-
-_TWINNED_RE = "|".join(re.escape(m) for m in TWINNED)
-_DOTTED = re.compile(rf"(?<![-\w.])lplugins\.({_TWINNED_RE})\b")  # not a CLI flag (--lplugins.precision)
-_FROM_LPLUGINS = re.compile(r"^(\s*)from lplugins import ([\w, ]+)$", re.MULTILINE)
-
-
-def rewrite(source: str, namespace: str = PYTORCH_LIGHTNING) -> str:
-    """``source`` (an lplugins module written for ``lightning.pytorch``) rewritten for ``namespace``."""
-    trainer_pkg, fabric_pkg = NAMESPACES[namespace]
-    source = re.sub(r"\blightning\.pytorch\b", trainer_pkg, source)
-    source = re.sub(r"\blightning\.fabric\b", fabric_pkg, source)
-    if namespace != LIGHTNING:  # the bare package (``lightning.__version__``) imports lightning.pytorch
-        source = re.sub(r"^(\s*)import lightning$", rf"\1import {trainer_pkg} as lightning", source, flags=re.M)
-        source = re.sub(r"^(\s*)from lightning import ", rf"\1from {trainer_pkg} import ", source, flags=re.M)
-    source = _DOTTED.sub(lambda m: f"{TWIN_PACKAGE}.{m.group(1)}", source)
-
-    def from_import(match: re.Match[str]) -> str:
-        names = [n.strip() for n in match.group(2).split(",") if n.strip()]
-        twinned = [n for n in names if n in TWINNED]
-        if not twinned:
-            return match.group(0)
-        shared = [n for n in names if n not in TWINNED]
-        indent = match.group(1)
-        line = f"{indent}from {TWIN_PACKAGE} import {', '.join(twinned)}"
-        if shared:  # on the same line: tracebacks keep the original line numbers
-            line += f"; from lplugins import {', '.join(shared)}"
-        return line
-
-    return _FROM_LPLUGINS.sub(from_import, source)
-
-
-_IMPORTS = re.compile(r"^\s*from (\.+\w*|lplugins(?:\.[\w.]+)?) import ([\w, ()]+)", re.MULTILINE)
-_FACES: dict[str, bool] = {}
-
-
-def faces_lightning(base: str) -> bool:
-    """Whether module ``lplugins.X`` names ``lightning`` or imports an lplugins module that does.
-
-    Modules that do not (pure-Python parts: schedules, retention, storage...) are shared by both
-    namespaces instead of twinned, so their classes stay one class (``isinstance`` works across).
-    """
-    if base in _FACES:
-        return _FACES[base]
-    _FACES[base] = False  # an import cycle does not make a module face Lightning
-    spec = source_spec(base)
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-        return False
-    with open(spec.origin, encoding="utf-8") as f:
-        source = f.read()
-    result = "lightning" in source
-    package = base if spec.submodule_search_locations is not None else base.rpartition(".")[0]
-    for match in _IMPORTS.finditer(source):
-        if result:
-            break
-        origin, names = match.group(1), [n.strip(" ()") for n in match.group(2).split(",")]
-        if origin.startswith("."):
-            dots = len(origin) - len(origin.lstrip("."))
-            parent = package.rsplit(".", dots - 1)[0] if dots > 1 else package
-            target = f"{parent}.{origin.lstrip('.')}" if origin.lstrip(".") else parent
-        else:
-            target = origin
-        candidates = [target] + [f"{target}.{n}" for n in names if n]
-        for candidate in candidates:
-            parts = candidate.split(".")
-            if len(parts) > 1 and parts[1] in TWINNED and candidate != base and _exists(candidate):
-                if faces_lightning(candidate):
-                    result = True
-                    break
-    _FACES[base] = result
-    return result
-
-
-def _exists(module_name: str) -> bool:
-    return source_spec(module_name) is not None
-
-
-def source_spec(module_name: str) -> importlib.machinery.ModuleSpec | None:
-    """The spec of an lplugins module, found without importing its parent packages.
-
-    ``importlib.util.find_spec("lplugins.callbacks._errors")`` would import ``lplugins.callbacks``,
-    which imports ``lightning.pytorch``: a ``pytorch_lightning`` process must not.
-    """
-    module = sys.modules.get(module_name)
-    if module is not None and getattr(module, "__spec__", None) is not None:
-        return module.__spec__
-    parts = module_name.split(".")
-    try:
-        spec = importlib.util.find_spec(parts[0])
-        for i in range(1, len(parts)):
-            locations = spec.submodule_search_locations if spec is not None else None
-            if not locations:
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), list(locations))
-    except (ImportError, AttributeError, ValueError):
-        return None
-    return spec
-
-
-def load_shared(base: str) -> ModuleType:
-    """Import ``base``, an lplugins module that does not face Lightning, without running its parent
-    package's ``__init__`` when that is not imported yet (a twinned package's ``__init__`` imports
-    its namespace: ``lightning.pytorch`` in a ``pytorch_lightning`` process).
-
-    The parent's place in ``sys.modules`` is taken by a :class:`_StandIn` with the package's spec
-    and ``__path__``: its submodules import as usual, and the real package is imported (and
-    replaces it) when any other attribute of it is asked for.
-    """
-    if base in sys.modules:
-        return sys.modules[base]
-    parent = base.rpartition(".")[0]
-    if "." in parent and parent not in sys.modules:
-        spec = source_spec(parent)
-        if spec is not None and spec.submodule_search_locations:
-            standin = importlib.util.module_from_spec(spec)
-            standin.__class__ = _StandIn
-            sys.modules[parent] = standin
-            if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
-                sys.meta_path.insert(0, _StandInFinder())
-            grandparent, _, child = parent.rpartition(".")
-            setattr(sys.modules[grandparent], child, standin)
-    return importlib.import_module(base)
-
-
-class _StandIn(ModuleType):
-    """An lplugins package imported in name only (see :func:`load_shared`)."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(_realise(self), name)
-
-
-class _ExistingLoader(importlib.abc.Loader):
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return sys.modules[spec.name]
-
-    def exec_module(self, module: ModuleType) -> None:
-        return None
-
-
-class _StandInFinder(importlib.abc.MetaPathFinder):
-    """A submodule of a :class:`_StandIn` that faces Lightning needs the real package first."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        parent = fullname.rpartition(".")[0]
-        standin = sys.modules.get(parent)
-        if not isinstance(standin, _StandIn) or not faces_lightning(fullname):
-            return None
-        _realise(standin)  # the real __init__ may import fullname itself
-        if fullname in sys.modules:
-            return importlib.machinery.ModuleSpec(fullname, _ExistingLoader())
-        return None
-
-
-def _realise(standin: ModuleType) -> ModuleType:
-    """Import the package ``standin`` stands in for, keeping the submodules imported under it."""
-    name = standin.__name__
-    if sys.modules.get(name) is standin:
-        del sys.modules[name]
-    package = importlib.import_module(name)
-    for attr, value in vars(standin).items():
-        if isinstance(value, ModuleType) and value.__name__ == f"{name}.{attr}" and attr not in vars(package):
-            setattr(package, attr, value)
-    return package
-
-
-class _SharedLoader(importlib.abc.Loader):
-    """Gives the twin name the original module (one that does not face Lightning)."""
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return load_shared(self.base)
-
-    def exec_module(self, module: ModuleType) -> None:
-        return None
-
-
-class _TwinLoader(importlib.abc.Loader):
-    def __init__(self, origin: str) -> None:
-        self.origin = origin
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return None
-
-    def exec_module(self, module: ModuleType) -> None:
-        with open(self.origin, encoding="utf-8") as f:
-            source = rewrite(f.read())
-        exec(compile(source, self.origin, "exec", dont_inherit=True), module.__dict__)
-
-
-class TwinFinder(importlib.abc.MetaPathFinder):
-    """Finds ``lplugins._pl.X``: the source of ``lplugins.X``, rewritten for ``pytorch_lightning``."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if not fullname.startswith(TWIN_PACKAGE + "."):
-            return None
-        base = "lplugins." + fullname[len(TWIN_PACKAGE) + 1 :]
-        if base.split(".")[1] not in TWINNED:
-            return None
-        original = source_spec(base)
-        if original is None or original.origin is None:
-            return None
-        is_package = original.submodule_search_locations is not None
-        if not is_package and not faces_lightning(base):
-            return importlib.machinery.ModuleSpec(fullname, _SharedLoader(base), origin=original.origin)
-        spec = importlib.machinery.ModuleSpec(
-            fullname, _TwinLoader(original.origin), origin=original.origin, is_package=is_package
-        )
-        spec.has_location = True
-        return spec
-
-
-def install() -> None:
-    """Put the twin finder on ``sys.meta_path`` (once)."""
-    if not any(isinstance(f, TwinFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, TwinFinder())
-
-
-# --- running code when a module is first imported ------------------------------------------------
-
-_WATCHED: dict[str, list[Callable[[ModuleType], None]]] = {}
-
-
-class _WatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...: the real loader's
-        return getattr(self.loader, name)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        for callback in _WATCHED.pop(module.__name__, []):
-            callback(module)
-
-
-class _ImportWatcher(importlib.abc.MetaPathFinder):
-    """Runs callbacks right after a watched module is imported (and costs a dict lookup per import)."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _WATCHED:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or isinstance(finder, _ImportWatcher):
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find else None
-            if spec is not None and spec.loader is not None:
-                spec.loader = _WatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-def on_import(module_name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Call ``callback(module)`` when ``module_name`` is imported (at once when it already is)."""
-    module = sys.modules.get(module_name)
-    if module is not None:
-        callback(module)
-        return
-    callbacks = _WATCHED.setdefault(module_name, [])
-    if callback not in callbacks:
-        callbacks.append(callback)
-    if not any(isinstance(f, _ImportWatcher) for f in sys.meta_path):
-        sys.meta_path.insert(0, _ImportWatcher())

@@ -259,8 +259,8 @@ def _evaluate(expr: ast.expr, fn: Any, imports: Mapping[str, tuple[str, str | No
 
 def _for_namespace(module: str, fn: Any) -> str:
     """``module`` as a built-in's factory imports it for the namespace being built: a twinned
-    lplugins module becomes its ``pytorch_lightning`` twin (see :mod:`lplugins._namespace`), so a
-    check never imports the other namespace (the twin's source is the original's, unrewritten)."""
+    lplugins module becomes its ``pytorch_lightning`` twin (``scripts/mirror_pl.py``), so a check
+    never imports the other namespace."""
     from lplugins import _namespace
 
     owner = getattr(fn, "__module__", "") or ""
@@ -272,7 +272,7 @@ def _for_namespace(module: str, fn: Any) -> str:
     if namespace == _namespace.LIGHTNING:
         return module
     parts = module.split(".")
-    if parts[0] == "lplugins" and len(parts) > 1 and parts[1] in _namespace.TWINNED:
+    if parts[0] == "lplugins" and _namespace.has_twin(module):
         return _namespace.twin_name(module, namespace)
     if parts[0] == "lightning" and len(parts) > 1 and parts[1] in ("pytorch", "fabric"):
         trainer_pkg, fabric_pkg = _namespace.NAMESPACES[namespace]

@@ -7,12 +7,10 @@ object is built, before any process starts.
 
 from __future__ import annotations
 
-import difflib
 import math
-from collections.abc import Iterable
 from typing import Any
 
-from lplugins._errors import LPluginsError
+from lplugins._errors import LPluginsError, did_you_mean, suggest
 
 __all__ = ["a_bool", "did_you_mean", "is_int", "positive_int", "positive_number", "suggest"]
 
@@ -93,26 +91,6 @@ def positive_number(
         prefix = f"{owner}: " if owner else ""
         raise error(f"{prefix}{name}={value!r} is not allowed; it must be {allowed}.")
     return value
-
-
-def suggest(name: object, choices: Iterable[str]) -> str | None:
-    """Return the closest of ``choices`` to ``name``, or ``None``.
-
-    >>> suggest("dpp", ["ddp", "fsdp"])
-    'ddp'
-    """
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def did_you_mean(name: object, choices: Iterable[str]) -> str:
-    """The ``" Did you mean 'x'?"`` suffix for an error message, or ``""`` when nothing is close.
-
-    >>> "Unknown strategy 'dpp'." + did_you_mean("dpp", ["ddp", "fsdp"])
-    "Unknown strategy 'dpp'. Did you mean 'ddp'?"
-    """
-    hint = suggest(name, choices)
-    return f" Did you mean {hint!r}?" if hint else ""
 
 
 def a_bool(name: str, value: Any, *, error: type[Exception] = LPluginsError, owner: str | None = None) -> bool:

@@ -34,6 +34,11 @@ Lightning internals (the checkpoint dict, ``trainer.ckpt_path``, wrapping a stra
 ``load_checkpoint``) are reached only through :mod:`lplugins._lightning`.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lplugins.callbacks._errors import (
     CheckpointConfigError,
     CheckpointDirectoryError,
@@ -44,8 +49,19 @@ from lplugins.callbacks._errors import (
     UnsafeCheckpointError,
 )
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE
-from lplugins.callbacks._resume import LATEST, latest_checkpoint
-from lplugins.callbacks.checkpoint import DurableCheckpoint, request_checkpoint
+
+if TYPE_CHECKING:
+    from lplugins.callbacks._resume import LATEST, latest_checkpoint
+    from lplugins.callbacks.checkpoint import DurableCheckpoint, request_checkpoint
+
+# Lightning-facing names load on first use: importing a Lightning-free module of this package
+# (``lplugins.callbacks._storage``) never imports a Lightning namespace
+_LAZY = {
+    "LATEST": "lplugins.callbacks._resume",
+    "latest_checkpoint": "lplugins.callbacks._resume",
+    "DurableCheckpoint": "lplugins.callbacks.checkpoint",
+    "request_checkpoint": "lplugins.callbacks.checkpoint",
+}
 
 __all__ = [
     "LATEST",
@@ -61,3 +77,14 @@ __all__ = [
     "latest_checkpoint",
     "request_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

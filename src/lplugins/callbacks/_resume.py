@@ -37,7 +37,8 @@ from lplugins.callbacks._errors import (
 )
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record, order
 from lplugins.callbacks._reshard import check_resume, describe_resume
-from lplugins.callbacks._storage import Storage, open_storage
+from lplugins.callbacks._storage import Storage
+from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._verify import Overlapped, bytes_problem, can_verify
 
 if TYPE_CHECKING:

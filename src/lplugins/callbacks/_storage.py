@@ -32,7 +32,7 @@ from typing import IO, Any
 from lplugins.callbacks._record import COMMIT_SUFFIX, NAME_RE, QUARANTINE, TMP_PREFIX, Record, order
 from lplugins.callbacks._stream import StreamWriter
 
-__all__ = ["Cleanup", "Storage", "canonical_dirpath", "is_remote", "open_storage"]
+__all__ = ["Cleanup", "Storage", "canonical_dirpath", "is_remote"]
 
 #: The file in a quarantined checkpoint's folder that says why it was moved there.
 REASON_FILE = "REASON.txt"
@@ -80,21 +80,6 @@ def canonical_dirpath(dirpath: str | os.PathLike[str] | None) -> str | None:
         scheme, rest = path.split("://", 1)
         return f"{scheme}://{posixpath.normpath(rest)}" if rest.strip("/") else f"{scheme}://{rest}"
     return os.path.normpath(os.path.expanduser(path))
-
-
-def open_storage(dirpath: str | os.PathLike[str]) -> Storage:
-    """The :class:`Storage` for ``dirpath``: fsspec for a URL, local otherwise.
-
-    >>> import tempfile
-    >>> type(open_storage(tempfile.mkdtemp())).__name__
-    'LocalStorage'
-    """
-    # imported here: both implementations import this module for the base class
-    from lplugins.callbacks._storage_fsspec import FsspecStorage
-    from lplugins.callbacks._storage_local import LocalStorage
-
-    path = os.fspath(dirpath)
-    return FsspecStorage(path) if is_remote(path) else LocalStorage(path)
 
 
 class Storage(ABC):

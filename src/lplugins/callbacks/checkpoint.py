@@ -30,7 +30,8 @@ from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignal
 from lplugins.callbacks._record import Record, now
 from lplugins.callbacks._resume import LatestResolver, understand_ckpt_path
 from lplugins.callbacks._retention import Ledger
-from lplugins.callbacks._storage import canonical_dirpath, open_storage
+from lplugins.callbacks._storage import canonical_dirpath
+from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, writes_itself
 
 __all__ = ["DurableCheckpoint", "request_checkpoint"]

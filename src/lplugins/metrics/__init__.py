@@ -10,8 +10,22 @@ Importing this package imports Lightning and torchmetrics (``import lplugins`` d
 
 from __future__ import annotations
 
-from lplugins.metrics._callback import STAGES, MetricsCallback, build_metric, flatten_values
-from lplugins.metrics._throughput import ThroughputCallback, infer_batch_size
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lplugins.metrics._callback import STAGES, MetricsCallback, build_metric, flatten_values
+    from lplugins.metrics._throughput import ThroughputCallback, infer_batch_size
+
+# loaded on first use: importing a Lightning-free module of this package never imports Lightning
+_LAZY = {
+    "STAGES": "lplugins.metrics._callback",
+    "MetricsCallback": "lplugins.metrics._callback",
+    "build_metric": "lplugins.metrics._callback",
+    "flatten_values": "lplugins.metrics._callback",
+    "ThroughputCallback": "lplugins.metrics._throughput",
+    "infer_batch_size": "lplugins.metrics._throughput",
+}
 
 __all__ = [
     "STAGES",
@@ -21,3 +35,14 @@ __all__ = [
     "flatten_values",
     "infer_batch_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -37,7 +37,8 @@ from typing_extensions import override
 from lplugins._log import announce
 from lplugins.callbacks import DurableCheckpoint
 from lplugins.callbacks._record import COMMIT_SUFFIX, TMP_PREFIX, Record
-from lplugins.callbacks._storage import canonical_dirpath, is_remote, open_storage
+from lplugins.callbacks._storage import canonical_dirpath, is_remote
+from lplugins.callbacks._storages import open_storage
 
 __all__ = ["POINTER_FILE", "RayCheckpointReport", "read_pointer", "restore"]
 

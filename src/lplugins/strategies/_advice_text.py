@@ -1,18 +1,15 @@
-"""The advisor's words: the table ``str(advice)`` prints, and the message when nothing fits."""
+"""The advisor's answer (:class:`Advice`) and its words: the table ``str(advice)`` prints, and why none fits."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from lplugins.strategies._memory import STRATEGY_NAMES, Estimate, device_bytes_per_parameter, gib
 
-if TYPE_CHECKING:
-    from lplugins.strategies.advisor import Advice
-
-__all__ = ["CLI_SPELLING", "PYTHON_SPELLING", "Spelling", "explain", "nothing_fits"]
+__all__ = ["CLI_SPELLING", "PYTHON_SPELLING", "Advice", "Spelling", "explain", "nothing_fits"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +42,48 @@ CLI_SPELLING = Spelling(
     },
     cli=True,
 )
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The advisor's answer. ``str(advice)`` shows the arithmetic.
+
+    Attributes:
+        key: The recommended strategy's key (``"zero2"``...).
+        label: Its readable name.
+        strategy: The strategy name to use, for the target (``"deepspeed_stage_2"`` on CUDA,
+            ``"deepspeed_stage_2_cpu"`` on CPU; see :data:`STRATEGY_NAMES`).
+        num_parameters: Parameters in the model.
+        world_size: Devices in total (devices per node x nodes).
+        usable_device_bytes: Device memory available for weights, gradients and optimizer state.
+        host_bytes_per_node: Host memory per node (for offload).
+        estimates: Every candidate's arithmetic, in order of preference.
+        inputs: The inputs, for the record.
+        assumptions: What the advisor assumed or resolved without being told (host memory, a measured
+            device, ``precision="auto"``), each as a sentence; ``str(advice)`` shows them.
+    """
+
+    key: str
+    label: str
+    strategy: str
+    num_parameters: int
+    world_size: int
+    usable_device_bytes: float
+    host_bytes_per_node: float | None
+    estimates: tuple[Estimate, ...]
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    assumptions: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        out = asdict(self)
+        out["estimates"] = [asdict(e) for e in self.estimates]
+        out["inputs"] = dict(self.inputs)
+        out["assumptions"] = list(self.assumptions)
+        return out
+
+    def __str__(self) -> str:
+        return explain(self)
 
 
 def explain(advice: Advice) -> str:

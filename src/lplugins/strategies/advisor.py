@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lplugins._log import announce
 from lplugins._validate import did_you_mean, is_int, positive_int, positive_number
-from lplugins.strategies._advice_text import CLI_SPELLING, PYTHON_SPELLING, Spelling, explain, nothing_fits
+from lplugins.strategies._advice_text import CLI_SPELLING, PYTHON_SPELLING, Advice, Spelling, explain, nothing_fits
 from lplugins.strategies._memory import (
     CANDIDATES,
     GIB,
@@ -56,48 +55,6 @@ __all__ = [
     "parse_count",
     "register_cli",
 ]
-
-
-@dataclass(frozen=True)
-class Advice:
-    """The advisor's answer. ``str(advice)`` shows the arithmetic.
-
-    Attributes:
-        key: The recommended strategy's key (``"zero2"``...).
-        label: Its readable name.
-        strategy: The strategy name to use, for the target (``"deepspeed_stage_2"`` on CUDA,
-            ``"deepspeed_stage_2_cpu"`` on CPU; see :data:`STRATEGY_NAMES`).
-        num_parameters: Parameters in the model.
-        world_size: Devices in total (devices per node x nodes).
-        usable_device_bytes: Device memory available for weights, gradients and optimizer state.
-        host_bytes_per_node: Host memory per node (for offload).
-        estimates: Every candidate's arithmetic, in order of preference.
-        inputs: The inputs, for the record.
-        assumptions: What the advisor assumed or resolved without being told (host memory, a measured
-            device, ``precision="auto"``), each as a sentence; ``str(advice)`` shows them.
-    """
-
-    key: str
-    label: str
-    strategy: str
-    num_parameters: int
-    world_size: int
-    usable_device_bytes: float
-    host_bytes_per_node: float | None
-    estimates: tuple[Estimate, ...]
-    inputs: Mapping[str, Any] = field(default_factory=dict)
-    assumptions: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        out = asdict(self)
-        out["estimates"] = [asdict(e) for e in self.estimates]
-        out["inputs"] = dict(self.inputs)
-        out["assumptions"] = list(self.assumptions)
-        return out
-
-    def __str__(self) -> str:
-        return explain(self)
 
 
 def advise(
