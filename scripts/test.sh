@@ -8,5 +8,5 @@ export NO_MKDOCS_2_WARNING=1  # mkdocs-material's end-of-life banner on every bu
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-.venv/bin/mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/lplugins-site"
+.venv/bin/mkdocs build --strict --site-dir "${TMPDIR:-/tmp}/lplugins-site"  # not --quiet: it drops the warnings strict mode counts
 .venv/bin/python -m pytest -q --timeout=300 -p no:cacheprovider "$@"

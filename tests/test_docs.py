@@ -1,10 +1,12 @@
 """Documentation stays true: every hook documented with its signature; the public API is exact; the
-architecture page names every module, and the imports follow its arrows."""
+architecture page names every module, and the imports follow its arrows; the strict docs build has no
+warning; docs/cli.md lists the keys ``lplugins list --json`` prints."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -264,21 +266,78 @@ def _public_names(module_name: str) -> list[str]:
     ]
 
 
+# ------------------------------------------------------------------------ the strict docs build
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """``mkdocs build --strict`` once for this module: the site directory, the exit status, the log.
+
+    Not ``--quiet``: it drops mkdocs' warnings before strict mode counts them, so the build cannot fail.
+    """
+    site = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's end-of-life banner
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    result = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--site-dir", str(site)],
+        cwd=DOCS.parent, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    return site, result.returncode, result.stdout + result.stderr
+
+
 @pytest.mark.slow
-def test_api_reference_documents_every_public_name(tmp_path: Path) -> None:
+def test_docs_build_has_no_warnings(built_site: tuple[Path, int, str]) -> None:
+    """Every warning of the strict build (griffe on docstrings, autorefs, links and anchors) fails it."""
+    _, returncode, log = built_site
+    warnings = [line for line in log.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert not warnings, "mkdocs build --strict:\n  " + "\n  ".join(warnings)
+    assert returncode == 0, log
+
+
+@pytest.mark.slow
+def test_doctests_render_as_code(built_site: tuple[Path, int, str]) -> None:
+    """A ``>>>`` example outside an ``Examples:`` section is Markdown to mkdocstrings: three nested quotes."""
+    site, _, _ = built_site
+    nested = re.compile(r"(<blockquote>\s*){3}")
+    pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html") if nested.search(p.read_text()))
+    assert not pages, f"doctests rendered as block quotes (put them under 'Examples:'): {pages}"
+
+
+@pytest.mark.slow
+def test_api_reference_documents_every_public_name(built_site: tuple[Path, int, str]) -> None:
     """The strict docs build renders every name of every public module's ``__all__`` in its reference page."""
-    root = DOCS.parent
+    site, returncode, _ = built_site
     pages = {p.stem for p in (DOCS / "reference").glob("*.md")}
     assert pages == set(REFERENCE), "docs/reference/ and REFERENCE must list the same modules"
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    mkdocs = Path(sys.executable).with_name("mkdocs")
-    subprocess.run(
-        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(tmp_path)],
-        cwd=root, env=env, check=True, timeout=240,
-    )  # fmt: skip
+    assert returncode == 0, "the docs build failed: see test_docs_build_has_no_warnings"
     missing = []
     for page, module_name in REFERENCE.items():
-        html = (tmp_path / "reference" / page / "index.html").read_text()
+        html = (site / "reference" / page / "index.html").read_text()
         anchors = set(re.findall(r'id="([^"]+)"', html))
         missing += [f"{module_name}.{n}" for n in _public_names(module_name) if f"{module_name}.{n}" not in anchors]
     assert not missing, f"not in the API reference (give each a docstring): {missing}"
+
+
+# ------------------------------------------------------------------------ docs/cli.md
+def _documented_list_json() -> tuple[set[str], set[str]]:
+    """docs/cli.md's ``lplugins list --json`` section: the top-level keys, and the keys of a plugin."""
+    section = (DOCS / "cli.md").read_text().split("## `lplugins list --json`\n")[1].split("\n## ")[0]
+    intro, table = section.split("\n|", 1)
+    return set(re.findall(r'"(\w+)":', intro)), set(re.findall(r"^\| `(\w+)` \|", "|" + table, flags=re.M))
+
+
+def test_cli_md_documents_the_keys_list_json_prints(
+    lplugins_manager: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The keys docs/cli.md lists for ``lplugins list --json`` are exactly those the command prints."""
+    from lplugins.cli import main
+
+    assert main(["list", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    top, keys = _documented_list_json()
+    assert top == set(printed), f"docs/cli.md: `lplugins list --json` prints {sorted(printed)}, documented {top}"
+    assert printed["plugins"], "lplugins list --json listed no plugins"
+    for plugin in printed["plugins"]:
+        assert set(plugin) == keys, (
+            f"docs/cli.md, `lplugins list --json`, plugin {plugin['name']!r}: "
+            f"printed but not documented: {sorted(set(plugin) - keys)}; "
+            f"documented but not printed: {sorted(keys - set(plugin))}"
+        )

@@ -37,7 +37,7 @@ def configure() -> None:
 def announce(message: str, *args: object) -> None:
     """Log one decision at INFO, on global rank zero only (``message % args``, logging-style).
 
-    Example:
+    Examples:
         >>> announce("lplugins: precision='auto' chose %r (%s)", "32-true", "CPU")
     """
     from lplugins.rankzero._rank import is_global_zero

@@ -42,20 +42,7 @@ class Register(Protocol):
     """The ``register`` callable a registering hook receives (strategies, schedules, callbacks).
 
     Call it once per name. Nothing is registered until the whole plugin has loaded: if any of its
-    hooks raises, none of its names remain.
-
-    Args:
-        name: The name users pass (letters, digits, ``_``, ``.``, ``-``), unique within its kind.
-        factory: A class or callable building the component: ``factory(**defaults, **overrides)``.
-            A factory that declares one of the kind's injected arguments (see :data:`KINDS`)
-            receives it from :func:`lplugins.compose`.
-        description: One line, shown by ``lplugins list``.
-        defaults: Keyword arguments passed to ``factory`` unless the user overrides them.
-
-    Raises:
-        RegistrationError: an invalid name, a factory that is not callable, ``defaults`` that are
-            not a mapping, a keyword the kind does not accept, or a name given twice by one plugin.
-            (The plugin then fails to load with a :class:`~lplugins.PluginError` naming it.)
+    hooks raises, none of its names remain. Its arguments are those of ``__call__`` below.
     """
 
     def __call__(
@@ -65,16 +52,26 @@ class Register(Protocol):
         *,
         description: str = "",
         defaults: Mapping[str, Any] | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Register ``factory`` under ``name``.
+
+        Args:
+            name: The name users pass (letters, digits, ``_``, ``.``, ``-``), unique within its kind.
+            factory: A class or callable building the component: ``factory(**defaults, **overrides)``.
+                A factory that declares one of the kind's injected arguments (see :data:`KINDS`)
+                receives it from :func:`lplugins.compose`.
+            description: One line, shown by ``lplugins list``.
+            defaults: Keyword arguments passed to ``factory`` unless the user overrides them.
+
+        Raises:
+            RegistrationError: an invalid name, a factory that is not callable, ``defaults`` that are
+                not a mapping, a keyword the kind does not accept, or a name given twice by one plugin.
+                (The plugin then fails to load with a :class:`~lplugins.PluginError` naming it.)
+        """
 
 
 class RegisterPrecision(Register, Protocol):
-    """:class:`Register` for precision plugins, with what the precision supports.
-
-    Args:
-        strategies: Strategy names it works with; ``None`` (the default) means any.
-        accelerators: Accelerator names it works with (``"cpu"``, ``"cuda"``...); ``None`` means any.
-    """
+    """:class:`Register` for precision plugins, with what the precision supports."""
 
     def __call__(
         self,
@@ -85,16 +82,18 @@ class RegisterPrecision(Register, Protocol):
         defaults: Mapping[str, Any] | None = None,
         strategies: Sequence[str] | None = None,
         accelerators: Sequence[str] | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Register a precision plugin; ``name``, ``factory``, ``description`` and ``defaults`` as for
+        :meth:`Register.__call__`.
+
+        Args:
+            strategies: Strategy names it works with; ``None`` (the default) means any.
+            accelerators: Accelerator names it works with (``"cpu"``, ``"cuda"``...); ``None`` means any.
+        """
 
 
 class RegisterClusterEnvironment(Register, Protocol):
-    """:class:`Register` for cluster environments, with automatic detection.
-
-    Args:
-        detect: A callable without arguments returning true when the process runs under that
-            scheduler; :func:`lplugins.compose` then adds the environment when the user gave none.
-    """
+    """:class:`Register` for cluster environments, with automatic detection."""
 
     def __call__(
         self,
@@ -104,7 +103,14 @@ class RegisterClusterEnvironment(Register, Protocol):
         description: str = "",
         defaults: Mapping[str, Any] | None = None,
         detect: Callable[[], object] | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Register a cluster environment; ``name``, ``factory``, ``description`` and ``defaults`` as
+        for :meth:`Register.__call__`.
+
+        Args:
+            detect: A callable without arguments returning true when the process runs under that
+                scheduler; :func:`lplugins.compose` then adds the environment when the user gave none.
+        """
 
 
 # ---------------------------------------------------------------------------- the kinds

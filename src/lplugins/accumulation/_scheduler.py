@@ -71,7 +71,7 @@ class AccumulationScheduler(Callback):
             Trainer also sets ``accumulate_grad_batches``, another accumulation callback is present,
             the strategy accumulates by itself (DeepSpeed), or the schedule cannot be met.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> from lplugins.accumulation import AccumulationScheduler, StepSchedule
         >>> trainer = Trainer(callbacks=[AccumulationScheduler(StepSchedule({0: 8, 100: 4}))], logger=False)

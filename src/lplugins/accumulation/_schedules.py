@@ -62,7 +62,7 @@ class Schedule(abc.ABC):
     validated in ``__init__`` (shape of the arguments) and in :meth:`check` (against the run),
     both before the first optimizer step.
 
-    Example:
+    Examples:
         >>> class EveryOtherEpoch(Schedule):
         ...     def factor(self, context: ScheduleContext) -> int:
         ...         return 4 if context.epoch % 2 else 1
@@ -152,7 +152,7 @@ class EpochSchedule(_KeyedSchedule):
         ScheduleError: an empty dict, a negative or non-int key, keys not in increasing order, or a
             factor that is not an int >= 1.
 
-    Example:
+    Examples:
         >>> s = EpochSchedule({0: 8, 5: 4, 10: 2})
         >>> [s.factor(ScheduleContext(epoch=e)) for e in (0, 4, 5, 11)]
         [8, 8, 4, 2]
@@ -178,7 +178,7 @@ class StepSchedule(_KeyedSchedule):
         ScheduleError: an empty dict, a negative or non-int key, keys not in increasing order, or a
             factor that is not an int >= 1.
 
-    Example:
+    Examples:
         >>> s = StepSchedule({0: 4, 3: 2})
         >>> [s.factor(ScheduleContext(step=n)) for n in range(5)]
         [4, 4, 4, 2, 2]
@@ -219,7 +219,7 @@ class ConstantGlobalSchedule(Schedule):
         ScheduleError: a non-int or non-positive size; in :meth:`check`, a global batch that is not
             a multiple of micro-batch x world size (the message lists what would work).
 
-    Example:
+    Examples:
         >>> s = ConstantGlobalSchedule(64, micro_batch_size=8)
         >>> s.factor(ScheduleContext(micro_batch_size=8, world_size=2))
         4
@@ -287,7 +287,7 @@ class RampSchedule(Schedule):
             ``kind``, a stepwise ramp without a fitting ``increment``; in :meth:`check`, a
             ``start``, ``target`` or ``increment`` that is not a multiple of micro-batch x world size.
 
-    Example:
+    Examples:
         >>> ramp = RampSchedule(start=8, target=32, over=3, unit="steps", micro_batch_size=8)
         >>> [ramp.factor(ScheduleContext(step=n, micro_batch_size=8)) for n in range(5)]
         [1, 2, 3, 4, 4]

@@ -136,7 +136,7 @@ class Overlapped:
     Args:
         check: Returns a problem (str) or ``None``; an exception it raises becomes the problem.
 
-    Example:
+    Examples:
         >>> with Overlapped(lambda: None) as job:
         ...     pass  # load the same bytes here
         >>> job.result() is None

@@ -51,7 +51,7 @@ def transform_of(collection: MetricCollection, mode: LogitsMode) -> str | None:
         LPluginsError: ``mode`` is not ``True``, ``False`` or ``"auto"``; ``mode=True`` with no
             classification metric; metrics that need both a sigmoid and a softmax.
 
-    Example:
+    Examples:
         >>> import torchmetrics
         >>> transform_of(MetricCollection([torchmetrics.classification.BinaryAUROC()]), "auto")
         'sigmoid'

@@ -25,12 +25,13 @@ LIGHTNING_PRECISIONS: tuple[str, ...] = (
 def default_precision(accelerator: str, capabilities: Mapping[str, Any]) -> tuple[str, str]:
     """lplugins' own rule for ``precision="auto"``: returns ``(precision, reason)``.
 
-    >>> default_precision("cpu", {})
-    ('32-true', 'CPU: full precision is fastest and exact unless CPU bf16 is opted into (cpu_bf16=True)')
-    >>> default_precision("cuda", {"bf16_supported": True, "cuda_capability": (9, 0)})[0]
-    'bf16-mixed'
-    >>> default_precision("cuda", {"bf16_supported": False, "cuda_capability": (7, 0)})[0]
-    '16-mixed'
+    Examples:
+        >>> default_precision("cpu", {})
+        ('32-true', 'CPU: full precision is fastest and exact unless CPU bf16 is opted into (cpu_bf16=True)')
+        >>> default_precision("cuda", {"bf16_supported": True, "cuda_capability": (9, 0)})[0]
+        'bf16-mixed'
+        >>> default_precision("cuda", {"bf16_supported": False, "cuda_capability": (7, 0)})[0]
+        '16-mixed'
     """
     if accelerator == "cuda":
         cap = capabilities.get("cuda_capability")
@@ -105,10 +106,11 @@ def choose_precision(accelerator: str, capabilities: Mapping[str, Any], manager:
         manager: the plugin manager whose plugins are asked (``lplugins.get_manager()`` for the
             process-wide one).
 
-    >>> import types
-    >>> nobody = types.SimpleNamespace(hook=types.SimpleNamespace(lplugins_choose_precision=lambda **kw: None))
-    >>> choose_precision("cuda", {"bf16_supported": True}, nobody)
-    ('bf16-mixed', 'CUDA device supports bf16: bf16 mixed precision needs no loss scaling')
+    Examples:
+        >>> import types
+        >>> nobody = types.SimpleNamespace(hook=types.SimpleNamespace(lplugins_choose_precision=lambda **kw: None))
+        >>> choose_precision("cuda", {"bf16_supported": True}, nobody)
+        ('bf16-mixed', 'CUDA device supports bf16: bf16 mixed precision needs no loss scaling')
     """
     chosen = manager.hook.lplugins_choose_precision(accelerator=accelerator, capabilities=dict(capabilities))
     if chosen is not None:

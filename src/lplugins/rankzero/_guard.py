@@ -110,7 +110,7 @@ _installed: list[tuple[Any, str, Any]] = []  # (owner, attribute, original value
 def in_rank_zero_block() -> bool:
     """Whether the calling thread is inside a rank-zero block.
 
-    Example:
+    Examples:
         >>> in_rank_zero_block()
         False
         >>> with rank_zero_block():
@@ -321,7 +321,7 @@ def rank_zero_block(func: F | None = None) -> F | RankZeroBlock:
     Returns:
         A :class:`RankZeroBlock` (or the guarded function).
 
-    Example:
+    Examples:
         >>> import torch.distributed as dist
         >>> with rank_zero_block():
         ...     dist.barrier()
@@ -346,7 +346,7 @@ def rank_zero_only(func: F) -> F:
     Returns:
         The wrapped function.
 
-    Example:
+    Examples:
         >>> @rank_zero_only
         ... def report(value):
         ...     return f"value={value}"

@@ -22,7 +22,7 @@ RANK_ATTR = "rank"
 def rank_prefix(rank: int) -> str:
     """The prefix put in front of messages that every rank emits.
 
-    Example:
+    Examples:
         >>> rank_prefix(3)
         '[rank 3] '
     """
@@ -44,7 +44,7 @@ class RankLogger(_Adapter):
         all_ranks: Emit every call on every rank (with the prefix) instead of rank 0 only.
         extra: Extra attributes for every record, as for ``logging.LoggerAdapter``.
 
-    Example:
+    Examples:
         >>> log = get_logger("lplugins.example")
         >>> log.info("printed by rank 0 only")
         >>> log.warning("printed by every rank, prefixed", all_ranks=True)
@@ -99,7 +99,7 @@ def get_logger(name: str | None = None, *, all_ranks: bool = False) -> RankLogge
     Returns:
         The rank-aware logger.
 
-    Example:
+    Examples:
         >>> get_logger("my_project.train").all_ranks
         False
     """
@@ -115,7 +115,7 @@ class RankZeroFilter(logging.Filter):
 
         handler.addFilter(RankZeroFilter())
 
-    Example:
+    Examples:
         >>> record = logging.LogRecord("x", logging.INFO, __file__, 1, "hello", None, None)
         >>> RankZeroFilter().filter(record), record.rank == global_rank()
         (True, True)
@@ -138,7 +138,7 @@ def rank_zero_print(*args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         all_ranks: Print on every rank, with ``[rank N]`` first.
         **kwargs: ``sep``, ``end``, ``file``, ``flush`` as for ``print``.
 
-    Example:
+    Examples:
         >>> rank_zero_print("hello")
         hello
     """

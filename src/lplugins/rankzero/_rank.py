@@ -61,7 +61,7 @@ def rank_info() -> RankInfo:
     Returns:
         The rank, the world size and where they came from.
 
-    Example:
+    Examples:
         >>> rank_info().global_rank >= 0
         True
     """
@@ -86,7 +86,7 @@ def rank_info() -> RankInfo:
 def global_rank() -> int:
     """This process's global rank (see :func:`rank_info` for where it is read from).
 
-    Example:
+    Examples:
         >>> isinstance(global_rank(), int)
         True
     """

@@ -296,7 +296,7 @@ def validate_config(config: Mapping[str, Any]) -> None:
         DeepSpeedConfigError: an unknown key (named, with the closest known key), a value of the
             wrong type or range, or ``"auto"`` where lplugins cannot fill it.
 
-    Example:
+    Examples:
         >>> validate_config({"zero_optimisation": {"stage": 2}})
         Traceback (most recent call last):
         ...

@@ -166,7 +166,7 @@ def bytes_per_parameter(precision: str, optimizer: str | float, *, deepspeed: bo
     Raises:
         AdvisorError: an unknown precision or optimizer.
 
-    Example:
+    Examples:
         >>> bytes_per_parameter("bf16-mixed", "adamw", deepspeed=True)
         (2, 2, 12)
         >>> bytes_per_parameter("bf16-mixed", "adamw", deepspeed=False)
@@ -209,7 +209,7 @@ def optimizer_state_bytes(optimizer: str | float) -> float:
 def device_bytes_per_parameter(key: str, weights: float, grads: float, state: float, world_size: int) -> float:
     """What each device holds per parameter of the model under strategy ``key`` (see the table above).
 
-    Example:
+    Examples:
         >>> device_bytes_per_parameter("zero2", 2, 2, 12, world_size=8)
         3.75
     """
@@ -228,7 +228,7 @@ def parse_count(value: str | float) -> int:
     Raises:
         AdvisorError: not a positive count.
 
-    Example:
+    Examples:
         >>> parse_count("7B"), parse_count("350M"), parse_count(1.3e9)
         (7000000000, 350000000, 1300000000)
     """
@@ -304,7 +304,7 @@ def typical_host_memory_gib(device_memory_gib: float, devices_per_node: int) -> 
     What the advisor assumes for a target it cannot measure (another machine) when it is not told.
     Returns ``(GiB per node, where the figure comes from)``.
 
-    Example:
+    Examples:
         >>> typical_host_memory_gib(80, 8)[0], typical_host_memory_gib(40, 8)[0], typical_host_memory_gib(24, 4)[0]
         (2048, 1024, 192)
     """

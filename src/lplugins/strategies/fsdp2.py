@@ -60,7 +60,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     Raises:
         LPluginsError: ``shard`` is not a sequence of ``nn.Module`` subclasses, or the timeout is invalid.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy())  # doctest: +SKIP
     """

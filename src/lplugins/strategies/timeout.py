@@ -40,7 +40,7 @@ def resolve_timeout(timeout: float | timedelta | None = None) -> timedelta:
     Raises:
         LPluginsError: the value is not a positive, finite number of seconds (the message names it).
 
-    Example:
+    Examples:
         >>> resolve_timeout(90)
         datetime.timedelta(seconds=90)
         >>> resolve_timeout(timedelta(hours=1))
