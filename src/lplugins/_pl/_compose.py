@@ -59,7 +59,7 @@ def compose(
             Lightning DeepSpeed name or ``16-mixed`` on CPU, a precision its strategy cannot use,
             ``accumulate_grad_batches`` below 1).
 
-    Example:
+    Examples:
         >>> import lplugins
         >>> from pytorch_lightning import Trainer
         >>> kwargs = lplugins.compose(accelerator="cpu", precision="auto", max_steps=1, logger=False)
@@ -171,7 +171,7 @@ def compose_trainer(
     Raises:
         LPluginsError: as :func:`compose` (an unknown name, a bad parameter, a pair that does not fit).
 
-    Example:
+    Examples:
         >>> import lplugins
         >>> trainer = lplugins.compose_trainer(
         ...     accelerator="cpu", precision="auto", max_steps=1, logger=False, enable_progress_bar=False,

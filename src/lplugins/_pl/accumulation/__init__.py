@@ -4,7 +4,7 @@
 Schedules are plain Python (importing them does not import Lightning); the callback
 :class:`AccumulationScheduler` is imported on first use.
 
-Example:
+Examples:
     >>> from lplugins._pl.accumulation import EpochSchedule, ScheduleContext
     >>> EpochSchedule({0: 8, 5: 4, 10: 2}).factor(ScheduleContext(epoch=7))
     4

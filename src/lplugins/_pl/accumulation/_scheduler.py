@@ -72,7 +72,7 @@ class AccumulationScheduler(Callback):
             Trainer also sets ``accumulate_grad_batches``, another accumulation callback is present,
             the strategy accumulates by itself (DeepSpeed), or the schedule cannot be met.
 
-    Example:
+    Examples:
         >>> from pytorch_lightning import Trainer
         >>> from lplugins._pl.accumulation import AccumulationScheduler, StepSchedule
         >>> trainer = Trainer(callbacks=[AccumulationScheduler(StepSchedule({0: 8, 100: 4}))], logger=False)

@@ -81,7 +81,7 @@ def latest_checkpoint(dirpath: str | os.PathLike[str], *, deep: bool = False) ->
     Returns:
         The checkpoint's path, or ``None`` when there is none.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> latest_checkpoint(tempfile.mkdtemp()) is None
         True

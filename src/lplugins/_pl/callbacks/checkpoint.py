@@ -107,7 +107,7 @@ class DurableCheckpoint(Checkpoint):
             that is not a real ``bool``, or a signal is invalid or cannot be caught (``SIGKILL``, ``SIGSTOP``);
             the message names the argument.
 
-    Example:
+    Examples:
         >>> from pytorch_lightning import Trainer
         >>> ckpt = DurableCheckpoint(dirpath="ckpts", every_n_steps=100, keep_last=3)
         >>> trainer = Trainer(callbacks=[ckpt], max_steps=1, logger=False, enable_progress_bar=False)

@@ -40,7 +40,7 @@ def build_metric(spec: Any, name: str = "metric") -> Metric:
     Raises:
         LPluginsError: ``spec`` is none of those, or does not name a ``Metric`` class.
 
-    Example:
+    Examples:
         >>> build_metric({"class_path": "torchmetrics.MeanMetric"}).__class__.__name__
         'MeanMetric'
     """
@@ -86,7 +86,7 @@ def flatten_values(values: Mapping[str, Any]) -> dict[str, float]:
     Scalars keep their name; a tensor with ``n > 1`` elements becomes ``name_0 ... name_{n-1}``; a
     nested dict becomes ``name_key``.
 
-    Example:
+    Examples:
         >>> flatten_values({"acc": torch.tensor(0.5), "per_class": torch.tensor([1.0, 0.0])})
         {'acc': 0.5, 'per_class_0': 1.0, 'per_class_1': 0.0}
     """

@@ -22,7 +22,7 @@ def infer_batch_size(batch: Any) -> int:
     Raises:
         LPluginsError: ``batch`` holds no tensor.
 
-    Example:
+    Examples:
         >>> infer_batch_size({"x": torch.zeros(8, 3), "y": torch.zeros(8)})
         8
     """

@@ -46,7 +46,7 @@ def under_torchelastic() -> bool:
 def attempt_prefix(run_id: str, token: str) -> str:
     """The store prefix of one attempt of ``run_id``.
 
-    Example:
+    Examples:
         >>> attempt_prefix("job7", "0.ab12")
         'lplugins/elastic/job7/0.ab12/'
     """

@@ -103,7 +103,7 @@ def advise(
     Raises:
         AdvisorError: invalid input, or nothing fits (the message says how many nodes would do).
 
-    Example:
+    Examples:
         >>> advice = advise("13B", device_memory_gib=80, devices_per_node=8)
         >>> advice.strategy
         'deepspeed_stage_2'

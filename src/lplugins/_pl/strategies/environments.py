@@ -48,7 +48,7 @@ class VariablesEnvironment(ClusterEnvironment):
     Raises:
         LPluginsError: a variable is missing or not an integer, when it is read.
 
-    Example:
+    Examples:
         >>> env = VariablesEnvironment(main_address="ACME_HEAD", main_port="ACME_PORT", node_rank="ACME_NODE")
         >>> env.main_address
         Traceback (most recent call last):

@@ -61,7 +61,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     Raises:
         LPluginsError: ``shard`` is not a sequence of ``nn.Module`` subclasses, or the timeout is invalid.
 
-    Example:
+    Examples:
         >>> import pytorch_lightning as pl
         >>> trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy())  # doctest: +SKIP
     """
