@@ -55,7 +55,7 @@ def _rank(args: argparse.Namespace) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lplugins import _watchdog
+    from lplugins._coord import watchdog as _watchdog
 
     class Model(LightningModule):
         def __init__(self) -> None:
@@ -127,14 +127,15 @@ def _sample_cost_us(n: int = 300) -> float:
     """Microseconds of one watchdog sample: classify the main thread's stack, publish, read the board."""
     import threading
 
-    from lplugins import _watchdog
+    from lplugins._coord import board as _board
+    from lplugins._coord import stacks
 
-    board = _watchdog._current_board()
+    board = _board.current_board()
     assert board is not None
     main = threading.main_thread().ident
     start = time.perf_counter()
     for _ in range(n):
-        where = _watchdog.classify(sys._current_frames()[main])  # type: ignore[index]
+        where = stacks.classify(sys._current_frames()[main])  # type: ignore[index]
         board.store.set("bench/state", json.dumps({"kind": where.kind, "t": time.time()}))
         board.store.add("failures", 0)
     return (time.perf_counter() - start) / n * 1e6

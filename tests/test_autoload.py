@@ -28,7 +28,7 @@ runpy.run_path("project.py", run_name="__main__")
 PROJECT = """
 import sys
 {imports}
-assert "lplugins" not in sys.modules or "lplugins._autoload" in sys.modules
+assert "lplugins" not in sys.modules or "lplugins._composition.autoload" in sys.modules
 try:
     trainer = Trainer(strategy="{strategy}", accelerator="cpu", devices=1, logger=False)
 except Exception as exc:
@@ -107,7 +107,8 @@ def test_pth_and_pytorch_lightning_entry_point_are_packaged() -> None:
         "lplugins_names.pth"
     )
     groups = project["project"]["entry-points"]
-    assert groups["pytorch_lightning.callbacks_factory"]["lplugins"] == "lplugins._pl._factory:callbacks_factory"
+    factory = "lplugins._pl._composition.factory:callbacks_factory"
+    assert groups["pytorch_lightning.callbacks_factory"]["lplugins"] == factory
 
 
 HYDRA_TRAIN = """

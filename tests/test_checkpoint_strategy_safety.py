@@ -297,18 +297,18 @@ def test_the_dcp_metadata_unpickler_allows_metadata_and_refuses_the_rest(tmp_pat
     )
     good = tmp_path / ".metadata"
     good.write_bytes(pickle.dumps(metadata))
-    loaded = _lightning._restricted_unpickle(good, _lightning.DCP_METADATA_TYPES)
+    loaded = _lightning.loading._restricted_unpickle(good, _lightning.DCP_METADATA_TYPES)
     assert loaded.state_dict_metadata["w"].properties.dtype == torch.float16
     metadata.planner_data["x"] = _Payload()
     good.write_bytes(pickle.dumps(metadata))
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata.*the type builtins\.exec"):
-        _lightning._restricted_unpickle(good, _lightning.DCP_METADATA_TYPES)
+        _lightning.loading._restricted_unpickle(good, _lightning.DCP_METADATA_TYPES)
 
 
 def test_every_allow_listed_type_exists() -> None:
     pytest.importorskip("deepspeed")
     names = _lightning.DEEPSPEED_SAFE_TYPES + _lightning.DCP_METADATA_TYPES
-    assert [name for name in names if _lightning._resolve_global(name) is None] == []
+    assert [name for name in names if _lightning.loading._resolve_global(name) is None] == []
 
 
 def test_a_non_tensor_item_of_a_sharded_checkpoint_is_read_weights_only(tmp_path: Path) -> None:
@@ -317,7 +317,7 @@ def test_a_non_tensor_item_of_a_sharded_checkpoint_is_read_weights_only(tmp_path
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    _, planner_cls = _lightning._dcp_weights_only_classes()
+    _, planner_cls = _lightning.loading._dcp_weights_only_classes()
     planner = planner_cls(tmp_path)
     planner.set_up_planner({"lr": 0.5}, None, True)
     item = ReadItem(

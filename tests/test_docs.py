@@ -91,8 +91,8 @@ def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, mo
 # ------------------------------------------------------------------------ docs/architecture.md
 SRC = DOCS.parent / "src" / "lplugins"
 COMPONENTS = ("callbacks", "accumulation", "precision", "strategies", "metrics")
-FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_exit", "_watchdog", "rankzero", "_namespace", "_imports")
-MACHINERY = ("_manager", "_discovery", "_env", "_hooks", "_mirror", "_registry", "hookspecs")
+FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_env", "_coord", "rankzero")
+MACHINERY = ("_plugins", "hookspecs")
 
 
 def _module_map() -> set[str]:
@@ -151,7 +151,7 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def _area(module: str) -> str:
-    """``lplugins.callbacks._writer`` -> ``callbacks``; ``lplugins._manager`` -> ``_manager``."""
+    """``lplugins.callbacks._writer`` -> ``callbacks``; ``lplugins._plugins.manager`` -> ``_manager``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "lplugins"
 
@@ -170,7 +170,7 @@ def test_import_arrows_point_down() -> None:
                 wrong.append(f"{rel} (the foundation) imports {target}")
             if area == "hookspecs":
                 wrong.append(f"hookspecs imports {target}: the contract imports nothing from lplugins")
-            if area in MACHINERY and to in (*COMPONENTS, "_builtins", "_compose", "lplugins"):
+            if area in MACHINERY and to in (*COMPONENTS, "_builtins", "_composition", "lplugins"):
                 wrong.append(f"{rel} (the manager/registry) imports {target}")
             if area == "_builtins" and module_level and to not in ("hookspecs", *FOUNDATION):
                 wrong.append(f"{rel} (a built-in) imports {target} at module level: import it inside the factory")
@@ -197,6 +197,36 @@ def _module_graph() -> dict[str, set[str]]:
                 targets |= {a.name for a in node.names} & set(files)
         graph[name] = targets - {name}
     return graph
+
+
+#: The layers of docs/architecture.md, bottom first: a module imports only from its own layer and below.
+LAYERS = (
+    ("_errors", "_validate", "_env"),
+    ("_lightning",),
+    ("rankzero", "_log"),
+    ("_coord",),
+    COMPONENTS,
+    ("hookspecs",),
+    ("_plugins",),
+    ("_composition",),
+    ("ray", "lightning_cli", "testing"),
+    ("lplugins", "__main__", "cli", "_cli", "_builtins"),
+)
+
+
+def test_no_import_points_up_a_layer() -> None:
+    """Every import (function-level and ``TYPE_CHECKING`` ones included) points to the same layer or below."""
+    level = {area: i for i, areas in enumerate(LAYERS) for area in areas}
+    graph = _module_graph()
+    areas = {_area(m) for m in graph}
+    assert not areas - set(level), f"docs/architecture.md: give these a layer: {sorted(areas - set(level))}"
+    up = [
+        f"{source} ({_area(source)}, layer {level[_area(source)]}) imports {target} (layer {level[_area(target)]})"
+        for source, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if level[_area(target)] > level[_area(source)]
+    ]
+    assert not up, "imports pointing up a layer:\n  " + "\n  ".join(up)
 
 
 def test_no_import_circles() -> None:

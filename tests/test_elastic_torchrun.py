@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from lplugins import _watchdog
+from lplugins._coord import elastic
 from lplugins.strategies import _elastic
 from tests._dist import ROOT, free_port
 
@@ -212,35 +212,35 @@ def test_each_attempt_gets_a_store_prefix_of_its_own() -> None:
 
 
 def test_failure_board_keys_are_per_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_watchdog, "_attempt", None)
+    monkeypatch.setattr(elastic, "_attempt", None)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert _watchdog._store_prefix() == "lplugins/"
+    assert elastic.store_prefix() == "lplugins/"
     # a stock strategy's group under torchelastic: the board keys carry the run and the restart
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert _watchdog._store_prefix() == "lplugins/job/r2/"
+    assert elastic.store_prefix() == "lplugins/job/r2/"
     # a group lplugins made: the whole store is the attempt's already
-    _watchdog.set_attempt("r2.abc")
-    assert _watchdog._store_prefix() == "lplugins/"
+    elastic.set_attempt("r2.abc")
+    assert elastic.store_prefix() == "lplugins/"
 
 
 def test_sigterm_is_a_stop_only_under_torchelastic(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside torchrun SIGTERM stays a preemption signal only (a save at the next step, as on SLURM)."""
     from lplugins.callbacks._preemption import PreemptionSignals
 
-    monkeypatch.setattr(_watchdog, "_stop", None)
+    monkeypatch.setattr(elastic, "_stop", None)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     signals = PreemptionSignals(["SIGTERM", "SIGUSR1"])
     signals._on_signal(signal.SIGTERM, None)
-    assert signals.received == signal.SIGTERM and _watchdog._stop is None
+    assert signals.received == signal.SIGTERM and elastic._stop is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     signals._on_signal(signal.SIGUSR1, None)  # not torchrun's stop signal
-    assert _watchdog._stop is None
+    assert elastic._stop is None
     signals._on_signal(signal.SIGTERM, None)
-    assert _watchdog._stop is not None and _watchdog._stop[0] == signal.SIGTERM
+    assert elastic._stop is not None and elastic._stop[0] == signal.SIGTERM
     signals.install()  # a new fit forgets it
     try:
-        assert _watchdog._stop is None
+        assert elastic._stop is None
     finally:
         signals.restore()
 

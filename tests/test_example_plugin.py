@@ -161,7 +161,7 @@ def test_zero_code_factory_isolates_a_failing_plugin(
 ) -> None:
     import types
 
-    from lplugins._factory import callbacks_factory
+    from lplugins._composition.factory import callbacks_factory
 
     def lplugins_trainer_callbacks(trainer_kwargs: Any) -> None:
         raise RuntimeError("cannot reach audit server")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from lplugins import _exit
+from lplugins._coord import exit as _exit
 from tests._dist import free_port, run_script
 
 

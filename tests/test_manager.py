@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 import lplugins
 from lplugins import LPluginsError, PluginError, PluginManager, PluginWarning
 from lplugins._errors import BlockedNameError
-from lplugins._manager import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, set_manager
+from lplugins._plugins.manager import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, set_manager
 
 
 def _plugin(**hooks: Any) -> types.SimpleNamespace:
@@ -317,7 +317,7 @@ def test_the_kinds_table_is_the_contract(manager: PluginManager) -> None:
 
 def test_register_errors_are_lplugins_errors() -> None:
     from lplugins._errors import RegistrationError
-    from lplugins._registry import KIND_BY_NAME, Registrar
+    from lplugins._plugins.registry import KIND_BY_NAME, Registrar
 
     register = Registrar(KIND_BY_NAME["precision"], "p", [])
     register("ok", DDPStrategy, accelerators=("cpu",))
@@ -436,7 +436,7 @@ def test_strict_mode_error_says_how_to_go_on(fake_entry_points: Any) -> None:
 def test_strict_zero_code_trainer_error_says_how_to_go_on(
     lplugins_manager: PluginManager, lplugins_register: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lplugins._factory import callbacks_factory
+    from lplugins._composition.factory import callbacks_factory
 
     def lplugins_trainer_callbacks(trainer_kwargs: Any) -> None:
         raise RuntimeError("cannot reach audit server")

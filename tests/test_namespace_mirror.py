@@ -88,4 +88,4 @@ def test_a_twin_uses_the_one_class_of_what_does_not_face_lightning() -> None:
     assert issubclass(checkpoint.DurableCheckpoint, pl.callbacks.Checkpoint)
     # a real file: tools see the code that runs
     assert Path(checkpoint.__file__).is_file() and checkpoint.__file__.endswith("_pl/callbacks/checkpoint.py")
-    assert "lplugins._namespace" not in {type(f).__module__ for f in sys.meta_path}
+    assert "lplugins._lightning.namespace" not in {type(f).__module__ for f in sys.meta_path}

@@ -5,7 +5,7 @@ The public surface, for both namespaces (fits, resume, DDP, DeepSpeed), is in
 
 ``pytorch_lightning`` + ``lightning_fabric`` are a class hierarchy separate from ``lightning.pytorch`` +
 ``lightning.fabric``; lplugins serves both from one source (``lplugins._pl`` twins, see
-``lplugins._namespace``).
+``lplugins._lightning.namespace``).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_pytorch_lightning_imported_after_load_gets_the_names(tmp_path: Path) ->
 def test_lplugins_list_says_which_namespaces_each_name_serves() -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lplugins import _namespace
+    from lplugins._lightning import namespace as _namespace
 
     assert _namespace.served_by(DDPStrategy) == ("lightning",)
     assert _namespace.served_by(pl.strategies.DDPStrategy) == ("pytorch_lightning",)

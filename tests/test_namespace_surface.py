@@ -198,7 +198,7 @@ def test_precision_by_name(lplugins_manager: PluginManager, lplugins_register: A
 
 
 def lplugins_manager_namespace(name: str) -> Any:
-    from lplugins import _namespace
+    from lplugins._lightning import namespace as _namespace
 
     return _namespace.using(name)
 

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import lplugins
 from lplugins import CompositionError, PluginManager
 from lplugins._errors import ParameterError
-from lplugins._params import accepted
+from lplugins._plugins.params import accepted
 
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lplugins import LPluginsError
-from lplugins._scaffold import scaffold
+from lplugins._cli.scaffold import scaffold
 
 
 @pytest.mark.timeout(240)

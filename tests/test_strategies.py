@@ -46,7 +46,7 @@ def test_builtin_names_do_not_collide_with_lightning(lplugins_manager: lplugins.
     # lplugins refuses a name Lightning already owns; the built-ins must not need one
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lplugins._manager import _MIRRORED_BY_LPLUGINS
+    from lplugins._plugins.manager import _MIRRORED_BY_LPLUGINS
 
     lplugins_manager.close()
     # names another lplugins manager of this process (e.g. the default one) mirrored are not Lightning's own

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lplugins import _watchdog
+from lplugins._coord import board, stacks
+from lplugins._coord import watchdog as _watchdog
 from lplugins._env import COLLECTIVE_TIMEOUT, env_seconds
 from lplugins._errors import LPluginsError
 from tests._dist import run_script
@@ -190,14 +191,14 @@ def test_classify_names_the_collective_and_the_user_line() -> None:
     worker.start()
     try:
         assert entered.wait(10)
-        where = _watchdog.classify(sys._current_frames()[worker.ident])  # type: ignore[index]
+        where = stacks.classify(sys._current_frames()[worker.ident])  # type: ignore[index]
     finally:
         release.set()
         worker.join()
     assert where.kind == "collective" and where.op == "torch.distributed.barrier()"
     assert where.site.endswith(f"test_watchdog.py:{user_code.__code__.co_firstlineno + 1}")
     assert where.describe() == f"torch.distributed.barrier() at {where.site}"
-    assert _watchdog.classify(None) == _watchdog.Where("run")
+    assert stacks.classify(None) == stacks.Where("run")
 
 
 def test_board_agrees_through_the_store_and_lets_the_group_go(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,18 +211,18 @@ def test_board_agrees_through_the_store_and_lets_the_group_go(monkeypatch: pytes
     monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        board = _watchdog.Board(dist.group.WORLD)
-        assert board.is_for(dist.group.WORLD)
-        assert board.agree(None, "a save", wait=5).failures == []
-        failed = board.agree("TypeError: cannot pickle 'x'", "a save", wait=5)
+        b = board.Board(dist.group.WORLD)
+        assert b.is_for(dist.group.WORLD)
+        assert b.agree(None, "a save", wait=5).failures == []
+        failed = b.agree("TypeError: cannot pickle 'x'", "a save", wait=5)
         assert failed.failures == [(0, "TypeError: cannot pickle 'x'")] and failed.first == 0
-        assert board.failure_text() == "rank 0 failed in a save: TypeError: cannot pickle 'x'"
+        assert b.failure_text() == "rank 0 failed in a save: TypeError: cannot pickle 'x'"
     finally:
         dist.destroy_process_group()
     # the board holds neither the group nor its store: a new group can take the same port at once
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        assert not board.is_for(dist.group.WORLD)
+        assert not b.is_for(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -257,22 +258,22 @@ AGREE_THEN_LEAVE = (
     + r"""
 import time
 import torch.distributed as dist
-from lplugins import _watchdog
+from lplugins._coord import board
 
 RANK = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=RANK, world_size=2)  # rank 0's process hosts the store
 if RANK == 1:  # descheduled between posting its answer and reading rank 0's (a loaded 2-core machine)
-    collect = _watchdog.Board._collect
+    collect = board.Board._collect
 
     def slow_collect(self, n, wait):
         time.sleep(1.0)
         return collect(self, n, wait)
 
-    _watchdog.Board._collect = slow_collect
+    board.Board._collect = slow_collect
 out = {"rank": RANK}
 try:
     for _ in range(3):  # also lets rank 0 forget an earlier round's keys
-        out["failures"] = _watchdog.agree(None, "a background checkpoint write").failures
+        out["failures"] = board.agree(None, "a background checkpoint write").failures
     out["ok"] = True
 except BaseException as err:
     out["error"] = f"{type(err).__name__}: {err}"

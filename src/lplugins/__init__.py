@@ -8,8 +8,9 @@ callbacks to a Trainer you already have.
 
 from __future__ import annotations
 
-from lplugins import _exit, _log
-from lplugins._compose import attach, compose, compose_trainer
+from lplugins import _log
+from lplugins._composition.compose import attach, compose, compose_trainer
+from lplugins._coord import exit as _exit
 from lplugins._errors import (
     BlockedNameError,
     CompositionError,
@@ -18,9 +19,9 @@ from lplugins._errors import (
     PluginError,
     UnknownNameError,
 )
-from lplugins._manager import PluginInfo, PluginManager, PluginWarning, get_manager, load
-from lplugins._namespace import current as current_namespace
-from lplugins._registry import Component
+from lplugins._lightning.namespace import current as current_namespace
+from lplugins._plugins.manager import PluginInfo, PluginManager, PluginWarning, get_manager, load
+from lplugins._plugins.registry import Component
 from lplugins.hookspecs import hookimpl
 
 __version__ = "0.1.0"

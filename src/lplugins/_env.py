@@ -5,11 +5,11 @@
 ``LPLUGINS_PLUGINS``             ``a,b``: load only these entry-point plugins (plugin or distribution).
 ``LPLUGINS_DISABLE``             ``a,b``: block these plugins, built-ins included.
 ``LPLUGINS_STRICT``              ``0``: report a failing plugin with a warning instead of raising.
-``LPLUGINS_AUTO_CALLBACKS``      ``1``: zero-code mode (see :mod:`lplugins._factory`).
+``LPLUGINS_AUTO_CALLBACKS``      ``1``: zero-code mode (see :mod:`lplugins._composition.factory`).
 ``LPLUGINS_AUTO_NAMES``          ``1``: registered names work in unchanged projects: plugins load when
-                                 Lightning is first imported (see :mod:`lplugins._autoload`).
+                                 Lightning is first imported (see :mod:`lplugins._composition.autoload`).
 ``LPLUGINS_COLLECTIVE_TIMEOUT``  seconds (default 30): the collective watchdog's bound; ``0``: off
-                                 (see :mod:`lplugins._watchdog`).
+                                 (see :mod:`lplugins._coord.watchdog`).
 ===============================  =====================================================================
 """
 

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lplugins._manager import PluginManager, load
+from lplugins._plugins.manager import PluginManager, load
 
 
 def _format_plugins(manager: PluginManager) -> str:
@@ -36,7 +36,7 @@ def _format_plugins(manager: PluginManager) -> str:
 
 def _namespaces(manager: PluginManager, kind: str, name: str) -> list[str] | None:
     """The Lightning namespaces ``name`` serves; ``None``: a plugin's function, checked when it builds."""
-    from lplugins._namespace import served_by
+    from lplugins._lightning.namespace import served_by
 
     registry = manager.registry(kind)
     served = served_by(registry.get(name).factory) if name in registry else None
@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_list.set_defaults(func=_cmd_list)
 
-    from lplugins._demo import add_parser as add_demo
-    from lplugins._scaffold import add_parser as add_scaffold
+    from lplugins._cli.demo import add_parser as add_demo
+    from lplugins._cli.scaffold import add_parser as add_scaffold
     from lplugins.strategies.advisor import register_cli as add_advise
 
     add_demo(sub)

@@ -137,7 +137,7 @@ class Kind:
 
 
 #: Every kind of component, in the order the manager calls the registering hooks. The registries
-#: (:mod:`lplugins._registry`) and the manager (:mod:`lplugins._manager`) derive from this table.
+#: (:mod:`lplugins._plugins.registry`) and the manager (:mod:`lplugins._plugins.manager`) derive from this table.
 KINDS: tuple[Kind, ...] = (
     Kind("strategy", "lplugins_register_strategies", injected=("trainer_kwargs",)),
     Kind(

@@ -33,11 +33,11 @@ from typing import Any
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.cli import LightningCLI as _LightningCLI
 
-from lplugins import _namespace
-from lplugins._compose import compose
+from lplugins._composition.compose import compose
 from lplugins._errors import CompositionError
 from lplugins._lightning import InstantiateTrainerMixin
-from lplugins._manager import load
+from lplugins._lightning import namespace as _namespace
+from lplugins._plugins.manager import load
 
 __all__ = ["LightningCLI"]
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from lplugins._manager import PluginInfo, PluginManager
+    from lplugins._plugins.manager import PluginInfo, PluginManager
 
 _counter = itertools.count()
 
@@ -62,7 +62,7 @@ class FakeDistribution(importlib.metadata.Distribution):
 @pytest.fixture
 def lplugins_manager() -> Iterator[PluginManager]:
     """A fresh plugin manager (built-ins only), installed as the process-wide one for the test."""
-    from lplugins._manager import PluginManager, set_manager
+    from lplugins._plugins.manager import PluginManager, set_manager
 
     manager = PluginManager(strict=True)
     manager.load(autoload=False, allow=None, disable=[])

@@ -17,7 +17,7 @@ def durable_checkpoint(**kwargs: Any) -> Any:
     return DurableCheckpoint(**kwargs)
 
 
-#: Where the keyword arguments go (``lplugins._params`` checks them against it before the Trainer is built).
+#: Where the keyword arguments go (``lplugins._plugins.params`` checks them against it before the Trainer is built).
 durable_checkpoint.lplugins_forwards_to = "lplugins.callbacks.checkpoint:DurableCheckpoint"  # type: ignore[attr-defined]
 
 

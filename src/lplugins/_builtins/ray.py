@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lplugins import _namespace
+from lplugins._lightning import namespace as _namespace
 from lplugins._log import announce
 from lplugins.hookspecs import Register, RegisterClusterEnvironment, hookimpl
 
@@ -75,7 +75,9 @@ def _is_durable(callback: Any) -> bool:
         return callback == "durable_checkpoint"
     if isinstance(callback, Mapping):
         return callback.get("name") == "durable_checkpoint"
-    return any(klass.__name__ == "DurableCheckpoint" for klass in type(callback).__mro__)
+    # the namespace being composed for is Ray's (checked by the caller): its DurableCheckpoint class
+    checkpoint = _namespace.module_for("lplugins.callbacks.checkpoint", _namespace.current())
+    return isinstance(callback, checkpoint.DurableCheckpoint)
 
 
 def _is_report(callback: Any) -> bool:
@@ -83,4 +85,6 @@ def _is_report(callback: Any) -> bool:
         return callback == "ray_report"
     if isinstance(callback, Mapping):
         return callback.get("name") == "ray_report"
-    return type(callback).__name__ == "RayCheckpointReport"
+    from lplugins.ray._report import RayCheckpointReport  # only in a Ray worker, for Ray's namespace
+
+    return isinstance(callback, RayCheckpointReport)

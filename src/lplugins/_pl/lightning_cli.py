@@ -34,11 +34,11 @@ from typing import Any
 from pytorch_lightning.cli import LightningArgumentParser
 from pytorch_lightning.cli import LightningCLI as _LightningCLI
 
-from lplugins import _namespace
-from lplugins._pl._compose import compose
+from lplugins._pl._composition.compose import compose
 from lplugins._errors import CompositionError
 from lplugins._pl._lightning import InstantiateTrainerMixin
-from lplugins._manager import load
+from lplugins._lightning import namespace as _namespace
+from lplugins._plugins.manager import load
 
 __all__ = ["LightningCLI"]
 

@@ -164,7 +164,7 @@ class AccumulationScheduler(Callback):
         if trainer.max_epochs is None or trainer.max_epochs == -1:
             return float("inf") if max_steps == -1 else max_steps
         if trainer.train_dataloader is None:
-            trainer.fit_loop.setup_data()
+            _lightning.setup_train_data(trainer)
         per_epoch = trainer.num_training_batches
         if per_epoch == float("inf"):
             return float("inf") if max_steps == -1 else max_steps

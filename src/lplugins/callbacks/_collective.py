@@ -3,7 +3,7 @@
 Every function here is called by all ranks together (or is a no-op in a single process).
 
 The agreement on errors (:func:`gather_failures`, :func:`agree_on_failure`) is not a collective: it
-goes through the process group's store (:func:`lplugins._watchdog.agree`), so it cannot pair with a
+goes through the process group's store (:func:`lplugins._coord.board.agree`), so it cannot pair with a
 collective a strategy runs inside its own save (DeepSpeed's final barrier), and a rank stuck in one
 is answered for by its watchdog: the failing rank's real error is raised on every rank in seconds.
 A collective here that fails (a peer process ended) carries the other ranks' errors as notes.
@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lplugins import _watchdog
+from lplugins._coord import board as _board
+from lplugins._coord import watchdog as _watchdog
 from lplugins.callbacks._errors import CheckpointDirectoryError, CheckpointResumeError
 from lplugins.callbacks._storage import Storage
 
@@ -153,13 +154,13 @@ def agree_on_failure(trainer: Trainer, error: BaseException | None, where: str) 
     others = [(r, t) for r, t in agreement.failures if r != rank]
     if error is not None and agreement.first in (None, rank):
         if others:
-            _watchdog.add_note(
+            _board.add_note(
                 error, f"lplugins: {where} also failed on " + "; ".join(f"rank {r}: {t}" for r, t in others)
             )
         for r, what in agreement.blocked:
-            _watchdog.add_note(error, f"lplugins: rank {r} waits in {what}; it stops when this process ends.")
+            _board.add_note(error, f"lplugins: rank {r} waits in {what}; it stops when this process ends.")
         for r in agreement.missing:
-            _watchdog.add_note(error, f"lplugins: rank {r} did not answer within {_watchdog.bound() or 30:g}s.")
+            _board.add_note(error, f"lplugins: rank {r} did not answer within {_watchdog.bound() or 30:g}s.")
         raise error
     first = next(((r, t) for r, t in agreement.failures if r == agreement.first), agreement.failures[0])
     mine = f" On rank {rank} it then failed too: {_text(error)}." if error is not None else ""
@@ -171,8 +172,8 @@ def _text(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[-1] if lines else 'no message'}"
 
 
-def _agree(trainer: Trainer, error: BaseException | None, where: str) -> _watchdog.Agreement:
+def _agree(trainer: Trainer, error: BaseException | None, where: str) -> _board.Agreement:
     text = None if error is None else _text(error)
     if not is_distributed(trainer):
-        return _watchdog.Agreement(failures=[(0, text)] if text else [], first=0 if text else None)
-    return _watchdog.agree(text, where)
+        return _board.Agreement(failures=[(0, text)] if text else [], first=0 if text else None)
+    return _board.agree(text, where)

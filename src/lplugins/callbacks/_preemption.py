@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
-from lplugins import _watchdog
+from lplugins._coord import board as _board
 from lplugins.callbacks._errors import CheckpointConfigError
 
 __all__ = ["PREEMPTED_EXIT_CODE", "PreemptionSignals", "parse_signal", "parse_signals", "slurm_requeue"]
@@ -102,7 +102,7 @@ class PreemptionSignals:
         if not self.signals or threading.current_thread() is not threading.main_thread():
             return
         self.received = None
-        _watchdog.stop_signal(None)  # a signal of an earlier fit in this process is no stop of this one
+        _board.stop_signal(None)  # a signal of an earlier fit in this process is no stop of this one
         for sig in self.signals:
             if sig not in self._previous:
                 self._previous[sig] = signal.getsignal(sig)
@@ -122,7 +122,7 @@ class PreemptionSignals:
         # under torchelastic SIGTERM can also mean "a peer died, torchrun restarts the group": an
         # agreement this rank waits in then ends the process instead of waiting for the dead peer
         if signum == signal.SIGTERM:
-            _watchdog.stop_signal(signum)
+            _board.stop_signal(signum)
 
 
 def slurm_requeue() -> None:

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any, TypeVar, overload
 
 from lplugins._errors import LPluginsError
+from lplugins._lightning.runtime import loaded_classes
 from lplugins.rankzero._rank import global_rank
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -205,37 +206,23 @@ def _install_torch() -> None:
 
 
 def _install_lightning() -> None:
-    for package in ("lightning.pytorch", "pytorch_lightning"):
-        if package not in sys.modules:
-            continue
-        trainer_mod = sys.modules.get(f"{package}.trainer.trainer")
-        if trainer_mod is not None:
-            trainer_cls = trainer_mod.Trainer
-            _patch(
-                trainer_cls,
-                "save_checkpoint",
-                _wrap_function(
-                    trainer_cls.save_checkpoint, "Trainer.save_checkpoint()", _CHECKPOINT_ALTERNATIVE, torch_level=False
-                ),
-            )
-            getter = _wrap_function(
-                trainer_cls.__dict__["log_dir"].fget, "Trainer.log_dir", _LOG_DIR_ALTERNATIVE, torch_level=False
-            )
-            _patch(trainer_cls, "log_dir", property(getter, doc=trainer_cls.__dict__["log_dir"].__doc__))
-        module_mod = sys.modules.get(f"{package}.core.module")
-        if module_mod is not None:
-            for name in ("log", "log_dict"):
-                _patch(module_mod.LightningModule, name, _wrap_log(module_mod.LightningModule.__dict__[name]))
-    for package in (
-        "lightning.pytorch.strategies.strategy",
-        "lightning.fabric.strategies.strategy",
-        "pytorch_lightning.strategies.strategy",
-        "lightning_fabric.strategies.strategy",
-    ):
-        strategy_mod = sys.modules.get(package)
-        if strategy_mod is None:
-            continue
-        for cls in _all_subclasses(strategy_mod.Strategy):
+    for trainer_cls in loaded_classes("Trainer"):
+        _patch(
+            trainer_cls,
+            "save_checkpoint",
+            _wrap_function(
+                trainer_cls.save_checkpoint, "Trainer.save_checkpoint()", _CHECKPOINT_ALTERNATIVE, torch_level=False
+            ),
+        )
+        getter = _wrap_function(
+            trainer_cls.__dict__["log_dir"].fget, "Trainer.log_dir", _LOG_DIR_ALTERNATIVE, torch_level=False
+        )
+        _patch(trainer_cls, "log_dir", property(getter, doc=trainer_cls.__dict__["log_dir"].__doc__))
+    for module_cls in loaded_classes("LightningModule"):
+        for name in ("log", "log_dict"):
+            _patch(module_cls, name, _wrap_log(module_cls.__dict__[name]))
+    for base in loaded_classes("Strategy"):
+        for cls in _all_subclasses(base):
             for name in STRATEGY_COLLECTIVES:
                 original = cls.__dict__.get(name)
                 if not callable(original) or isinstance(original, (staticmethod, classmethod)):

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from lplugins import _namespace
 from lplugins._errors import CompositionError
+from lplugins._lightning import namespace as _namespace
 
 __all__ = ["INSTALL", "RayUnavailableError", "in_ray_worker", "missing", "ray_namespace"]
 

@@ -179,7 +179,7 @@ def compose(**trainer_kwargs: Any) -> dict[str, Any]:
     import ray.train
     import ray.train.torch
 
-    from lplugins import compose as lplugins_compose
+    from lplugins._composition.compose import compose as lplugins_compose
     from lplugins.ray import _report
 
     kwargs = check_trainer_kwargs(trainer_kwargs, use_gpu=None)
@@ -414,7 +414,7 @@ def fit(
     kwargs = check_trainer_kwargs(trainer, use_gpu)
     _names.require()
     if not use_gpu:  # every name and argument composed once on the driver, as the workers will
-        from lplugins import compose as lplugins_compose
+        from lplugins._composition.compose import compose as lplugins_compose
 
         lplugins_compose(**{**kwargs, "accelerator": "cpu"})
     spec = {

@@ -15,7 +15,7 @@ Every lplugins strategy therefore initialises its default process group through
 :func:`init_process_group`: under torchelastic the ranks first agree on a fresh attempt token over
 the shared store (:func:`attempt_token`, a handshake that previous attempts' keys cannot confuse),
 and the process group, the groups made from it (device meshes, DeepSpeed's groups) and lplugins'
-failure board (``_watchdog``) all use the store under ``lplugins/elastic/<run id>/<token>/``.
+failure board (``lplugins._coord.board``) all use the store under ``lplugins/elastic/<run id>/<token>/``.
 Outside torchelastic nothing changes: Lightning initialises the group as usual.
 """
 
@@ -27,7 +27,8 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from lplugins import _lightning, _watchdog
+from lplugins import _lightning
+from lplugins._coord import elastic as _coord_elastic
 from lplugins._errors import LPluginsError
 from lplugins._log import announce
 
@@ -152,7 +153,7 @@ def init_process_group(strategy: Any) -> bool:
     if strategy.root_device.type != "cpu":
         kwargs["device_id"] = strategy.root_device
     _lightning.init_dist_connection(env, backend, **kwargs)
-    _watchdog.set_attempt(token)
+    _coord_elastic.set_attempt(token)
     announce(
         "lplugins: torchelastic run %r, restart %s: the process group of these %d rank(s) uses its own store keys "
         "(attempt %s), so no key of an earlier attempt (a dead rank's address) is read",

@@ -41,9 +41,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lplugins import _lightning
+from lplugins._coord.board import add_note
 from lplugins._errors import LPluginsError
 from lplugins._validate import is_int, positive_int
-from lplugins._watchdog import add_note
 from lplugins.strategies import _elastic
 from lplugins.strategies._ds_config import (
     DeepSpeedConfigError,

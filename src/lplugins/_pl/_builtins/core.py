@@ -19,7 +19,7 @@ def _lightning_callback(name: str) -> Any:
 
     factory.__name__ = name
     factory.__qualname__ = name
-    # where **kwargs go, for the parameter check (lplugins._params), without importing Lightning now
+    # where **kwargs go, for the parameter check (lplugins._plugins.params), without importing Lightning now
     factory.lplugins_forwards_to = f"pytorch_lightning.callbacks:{name}"  # type: ignore[attr-defined]
     return factory
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from lplugins._env import AUTO_NAMES, env_flag
-from lplugins._imports import on_import
+from lplugins._lightning.imports import on_import
 
 #: The packages whose first import loads the plugins.
 WATCHED = ("lightning.pytorch", "pytorch_lightning")
@@ -35,7 +35,7 @@ def _load(module: ModuleType) -> None:
         return
     _loading = True
     try:
-        from lplugins._manager import load
+        from lplugins._plugins.manager import load
 
         load()
     finally:

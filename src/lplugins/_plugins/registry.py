@@ -63,14 +63,14 @@ class Component:
         """Build the component: ``factory(**defaults, **overrides)``.
 
         The parameters are checked against the factory's signature first (following ``**kwargs``
-        where they are handed on, see :mod:`lplugins._params`).
+        where they are handed on, see :mod:`lplugins._plugins.params`).
 
         Raises:
             ParameterError: a parameter the factory does not take (the message suggests the close
                 one and lists them), or a required one missing.
         """
         self.check(overrides)
-        from lplugins import _namespace
+        from lplugins._lightning import namespace as _namespace
 
         namespace = _namespace.current()
         factory = _namespace.factory_for(kind_named(self.kind).hook, self.name, self.factory, namespace)
@@ -83,7 +83,7 @@ class Component:
         Raises:
             ParameterError: see :meth:`create`.
         """
-        from lplugins._params import check_call
+        from lplugins._plugins.params import check_call
 
         hidden = frozenset(KIND_BY_NAME[self.kind].injected)
         label = self.kind.replace("_", " ")

@@ -2,7 +2,7 @@
 
 Discovery decides *which* plugins exist and whether each is to be loaded, blocked or skipped; it
 imports a plugin only when asked (:meth:`Candidate.load`). Registering is the manager's job
-(:mod:`lplugins._manager`).
+(:mod:`lplugins._plugins.manager`).
 """
 
 from __future__ import annotations

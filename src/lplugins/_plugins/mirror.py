@@ -8,7 +8,7 @@ one's entry and restores it when it closes.
 
 ``lightning.pytorch`` and ``pytorch_lightning`` each have a ``StrategyRegistry``. The mirror writes
 into the registries of the namespaces the process has imported and into the others when they are
-imported later (:func:`lplugins._imports.on_import`): it never imports a namespace the process
+imported later (:func:`lplugins._lightning.imports.on_import`): it never imports a namespace the process
 has not imported, except when neither is (then the installed one, ``lightning`` when both are).
 """
 
@@ -22,9 +22,9 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from lplugins import _namespace
-from lplugins._imports import on_import
-from lplugins._registry import Component
+from lplugins._lightning import namespace as _namespace
+from lplugins._lightning.imports import on_import
+from lplugins._plugins.registry import Component
 
 #: Strategy names that some lplugins manager in this process mirrored into Lightning's registry,
 #: with how many managers currently hold each (a test's fresh manager may shadow the default one's).

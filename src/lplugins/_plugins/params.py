@@ -261,7 +261,7 @@ def _for_namespace(module: str, fn: Any) -> str:
     """``module`` as a built-in's factory imports it for the namespace being built: a twinned
     lplugins module becomes its ``pytorch_lightning`` twin (``scripts/mirror_pl.py``), so a check
     never imports the other namespace."""
-    from lplugins import _namespace
+    from lplugins._lightning import namespace as _namespace
 
     owner = getattr(fn, "__module__", "") or ""
     if not owner.startswith("lplugins."):
@@ -321,7 +321,7 @@ _CACHE: dict[tuple[Any, Any, str], Accepted] = {}
 
 def accepted(factory: Callable[..., Any]) -> Accepted:
     """What ``factory`` accepts by keyword, following ``**kwargs`` (see the module's docstring)."""
-    from lplugins._namespace import current
+    from lplugins._lightning.namespace import current
 
     key = (factory, getattr(factory, FORWARDS_TO, None), current())
     try:

@@ -5,8 +5,8 @@ which validates the plugin's hooks, calls its registering hooks into a staging l
 name against what is already registered (and against Lightning's ``StrategyRegistry``), and only
 then commits. A plugin that fails at any step leaves nothing behind.
 
-Around it: :mod:`lplugins._env` reads the ``LPLUGINS_*`` controls, :mod:`lplugins._discovery`
-finds the plugins, :mod:`lplugins._mirror` keeps Lightning's ``StrategyRegistry`` in step, and
+Around it: :mod:`lplugins._env` reads the ``LPLUGINS_*`` controls, :mod:`lplugins._plugins.discovery`
+finds the plugins, :mod:`lplugins._plugins.mirror` keeps Lightning's ``StrategyRegistry`` in step, and
 :mod:`lplugins.hookspecs` says which hooks register which kind.
 """
 
@@ -20,13 +20,20 @@ from typing import Any
 import pluggy
 
 from lplugins import hookspecs
-from lplugins._discovery import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, Candidate, PluginInfo, candidates, check_blockable
 from lplugins._env import DISABLE, STRICT, Controls, env_flag
 from lplugins._errors import BlockedNameError, LPluginsError, PluginError, UnknownNameError
-from lplugins._hooks import HookManager, StageError
 from lplugins._log import announce
-from lplugins._mirror import MIRRORED_BY_LPLUGINS, StrategyMirror, foreign_strategy_names
-from lplugins._registry import Component, Registrar, Registry, kind_named
+from lplugins._plugins.discovery import (
+    BUILTIN_PLUGINS,
+    ESSENTIAL_PLUGINS,
+    Candidate,
+    PluginInfo,
+    candidates,
+    check_blockable,
+)
+from lplugins._plugins.hooks import HookManager, StageError
+from lplugins._plugins.mirror import MIRRORED_BY_LPLUGINS, StrategyMirror, foreign_strategy_names
+from lplugins._plugins.registry import Component, Registrar, Registry, kind_named
 
 __all__ = [
     "BUILTIN_PLUGINS",

@@ -3,7 +3,7 @@
 * Functions named ``lplugins_*`` are hooks without a marker (as pytest does for ``pytest_``), and
   one that matches no specification is refused with the closest hook name.
 * Registering hooks are called for one plugin at a time, into a staging list (see
-  :class:`lplugins._registry.Registrar`), in the order of :data:`lplugins.hookspecs.KINDS`.
+  :class:`lplugins._plugins.registry.Registrar`), in the order of :data:`lplugins.hookspecs.KINDS`.
 * ``lplugins_trainer_callbacks`` is called one plugin at a time, so one failing plugin is named
   and the others still contribute.
 """
@@ -17,7 +17,7 @@ import pluggy
 
 from lplugins import hookspecs
 from lplugins._errors import LPluginsError
-from lplugins._registry import Component, Registrar
+from lplugins._plugins.registry import Component, Registrar
 from lplugins._validate import did_you_mean
 
 #: Every hook's name starts with it; the manager takes any such function as a hook.
@@ -109,7 +109,7 @@ class HookManager(pluggy.PluginManager):
                 raised) when a plugin raises or returns something that is not a callback; it
                 raises, or returns to skip that plugin.
         """
-        from lplugins import _namespace
+        from lplugins._lightning import namespace as _namespace
 
         namespace = _namespace.current()
         Callback = _namespace.lightning_class(namespace, "callbacks", "Callback")

@@ -1,0 +1,16 @@
+"""Distributed coordination out of band: what lplugins' ranks tell each other outside collectives.
+
+A failure on one rank must reach every rank in seconds, never as a hang until the process-group
+timeout; a clean run must end 0 on every rank. The pieces, each importing only those before it:
+
+* ``stacks``: what a rank's main thread waits in, read from its Python stack;
+* ``elastic``: torchelastic's stop signals and per-attempt store keys;
+* ``board``: the failure board in the process group's store, and agreements through it;
+* ``watchdog``: the thread that publishes each rank's state, detects mismatched collectives and
+  stops the job with a report on every rank;
+* ``exit``: a gloo process group left initialised does not abort the process at exit.
+
+May import: the standard library, the logger (``lplugins._log``), the environment (``lplugins._env``)
+and :mod:`lplugins._lightning.runtime` (Lightning objects on a stack, duck-typed); torch inside
+functions only. Nothing here imports a Lightning namespace or a component.
+"""
