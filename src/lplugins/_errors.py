@@ -154,3 +154,17 @@ def did_you_mean(name: object, choices: Iterable[str]) -> str:
     """
     hint = suggest(name, choices)
     return f" Did you mean {hint!r}?" if hint else ""
+
+
+def shown_from(module: str, *classes: type) -> None:
+    """Give ``classes`` the public ``module`` users import them from as their home.
+
+    Tracebacks and reprs then say ``lplugins.callbacks.CheckpointResumeError``, not the private module
+    that defines it, and pickling finds the class by that name. Called where the classes are defined.
+    """
+    for cls in classes:
+        cls.__module__ = module
+
+
+shown_from("lplugins", LPluginsError, PluginError, UnknownNameError, BlockedNameError, CompositionError, ParameterError)
+shown_from("lplugins.callbacks", UnsafeCheckpointError)

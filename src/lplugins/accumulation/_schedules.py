@@ -12,12 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lplugins._errors import LPluginsError
+from lplugins._errors import LPluginsError, shown_from
 from lplugins._validate import is_int, positive_int
 
 
 class ScheduleError(LPluginsError, ValueError):
     """A schedule is invalid, or cannot be applied to this run (raised before training)."""
+
+
+shown_from("lplugins.accumulation", ScheduleError)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from lplugins._errors import LPluginsError, UnsafeCheckpointError  # in the foundation: strategies raise it too
+from lplugins._errors import (  # in the foundation: strategies raise it too
+    LPluginsError,
+    UnsafeCheckpointError,
+    shown_from,
+)
 
 __all__ = [
     "CheckpointConfigError",
@@ -39,3 +43,14 @@ class DamagedCheckpointError(CheckpointResumeError):
 
 class InconsistentCheckpointError(CheckpointResumeError):
     """What a checkpoint holds (its ``global_step`` or ``epoch``) differs from what its commit marker says."""
+
+
+shown_from(
+    "lplugins.callbacks",
+    CheckpointConfigError,
+    CheckpointWriteError,
+    CheckpointDirectoryError,
+    CheckpointResumeError,
+    DamagedCheckpointError,
+    InconsistentCheckpointError,
+)

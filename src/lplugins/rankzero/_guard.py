@@ -23,7 +23,7 @@ from contextlib import ContextDecorator
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
-from lplugins._errors import LPluginsError
+from lplugins._errors import LPluginsError, shown_from
 from lplugins._lightning.runtime import loaded_classes
 from lplugins.rankzero._rank import global_rank
 
@@ -99,6 +99,9 @@ class CollectiveInRankZeroBlockError(LPluginsError, RuntimeError):
             f"operation that every rank must join; called from one rank it would hang until the process group "
             f"times out. Instead, {alternative}."
         )
+
+
+shown_from("lplugins.rankzero", CollectiveInRankZeroBlockError)
 
 
 # ---------------------------------------------------------------------------------------- state

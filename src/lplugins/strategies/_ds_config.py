@@ -18,7 +18,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from lplugins._errors import CompositionError
+from lplugins._errors import CompositionError, shown_from
 from lplugins._validate import did_you_mean, is_int
 
 __all__ = [
@@ -35,6 +35,9 @@ __all__ = [
 
 class DeepSpeedConfigError(CompositionError):
     """A DeepSpeed config that is invalid, or that contradicts the Trainer."""
+
+
+shown_from("lplugins.strategies", DeepSpeedConfigError)
 
 
 #: Top-level keys DeepSpeed 0.16-0.19 reads (see https://www.deepspeed.ai/docs/config-json/).

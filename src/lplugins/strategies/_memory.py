@@ -33,7 +33,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lplugins._errors import LPluginsError
+from lplugins._errors import LPluginsError, shown_from
 from lplugins._validate import did_you_mean, positive_number
 
 __all__ = [
@@ -62,6 +62,9 @@ GIB = 2**30
 
 class AdvisorError(LPluginsError, ValueError):
     """The advisor was given invalid input, or no strategy fits."""
+
+
+shown_from("lplugins.strategies", AdvisorError)
 
 
 #: Optimizer state, in bytes per trainable parameter, with fp32 state.
