@@ -95,6 +95,15 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return ids
 
 
+def _public_homes(tree: ast.AST) -> set[int]:
+    """ids of the module names given to ``shown_from(...)``: where a class is shown as living, not an import."""
+    return {
+        id(node.args[0])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "shown_from" and node.args
+    }
+
+
 def _longest_module(dotted: str, known: set[str]) -> str | None:
     parts = dotted.split(".")
     for i in range(len(parts), 1, -1):
@@ -107,7 +116,7 @@ def references(path: Path, known: set[str]) -> tuple[bool, set[str]]:
     """Whether the module imports a Lightning namespace (outside ``TYPE_CHECKING``), and the lplugins
     modules it refers to at run time (imports and dotted names in strings)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip = _type_checking_blocks(tree) | _docstrings(tree)
+    skip = _type_checking_blocks(tree) | _docstrings(tree) | _public_homes(tree)
     lightning, refs = False, set()
     for node in ast.walk(tree):
         if id(node) in skip:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lplugins._pl.accumulation._schedules import (
+from lplugins.accumulation._schedules import (
     ConstantGlobalSchedule,
     EpochSchedule,
     RampSchedule,

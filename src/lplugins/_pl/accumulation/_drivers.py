@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pytorch_lightning.strategies import DeepSpeedStrategy, ParallelStrategy
 
 from lplugins._pl import _lightning
-from lplugins._pl.accumulation._schedules import Schedule, ScheduleError
+from lplugins.accumulation._schedules import Schedule, ScheduleError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

@@ -20,7 +20,7 @@ from lplugins._pl import _lightning
 from lplugins._log import announce
 from lplugins._validate import is_int, positive_int
 from lplugins._pl.accumulation._drivers import Driver, choose_driver
-from lplugins._pl.accumulation._schedules import Schedule, ScheduleContext, ScheduleError, schedule_from
+from lplugins.accumulation._schedules import Schedule, ScheduleContext, ScheduleError, schedule_from
 
 if TYPE_CHECKING:
     import torch

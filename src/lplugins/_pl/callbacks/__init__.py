@@ -40,7 +40,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lplugins._pl.callbacks._errors import (
+from lplugins.callbacks._errors import (
     CheckpointConfigError,
     CheckpointDirectoryError,
     CheckpointResumeError,
@@ -49,7 +49,7 @@ from lplugins._pl.callbacks._errors import (
     InconsistentCheckpointError,
     UnsafeCheckpointError,
 )
-from lplugins._pl.callbacks._preemption import PREEMPTED_EXIT_CODE
+from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
     from lplugins._pl.callbacks._resume import LATEST, latest_checkpoint

@@ -18,7 +18,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lplugins.callbacks._background import BackgroundQueue
-from lplugins._pl.callbacks._errors import CheckpointWriteError
+from lplugins.callbacks._errors import CheckpointWriteError
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._retention import Ledger
 from lplugins._pl.callbacks._writer import CheckpointWriter

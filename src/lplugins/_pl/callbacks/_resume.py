@@ -29,15 +29,15 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from lplugins._pl import _lightning
 from lplugins._log import announce
-from lplugins._pl.callbacks._collective import agree_on_path, gather_failures
-from lplugins._pl.callbacks._errors import (
+from lplugins.callbacks._collective import agree_on_path, gather_failures
+from lplugins.callbacks._errors import (
     CheckpointResumeError,
     DamagedCheckpointError,
     InconsistentCheckpointError,
     UnsafeCheckpointError,
 )
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record, order
-from lplugins._pl.callbacks._reshard import check_resume, describe_resume
+from lplugins.callbacks._reshard import check_resume, describe_resume
 from lplugins.callbacks._storage import Storage
 from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._verify import Overlapped, bytes_problem, can_verify
@@ -458,8 +458,8 @@ REFUSALS = ("ReshardError", "DeepSpeedReshardError")
 
 def refused_error(failures: list[tuple[int, str]], error: BaseException | None) -> None:
     """Raise on every rank when a rank refused the resume (:data:`REFUSALS`): this rank's own error, or a
-    :class:`~lplugins._pl.callbacks._reshard.ReshardError` with the refusing rank's message."""
-    from lplugins._pl.callbacks._reshard import ReshardError
+    :class:`~lplugins.callbacks._reshard.ReshardError` with the refusing rank's message."""
+    from lplugins.callbacks._reshard import ReshardError
 
     for rank, text in failures:
         kind, _, message = text.partition(": ")

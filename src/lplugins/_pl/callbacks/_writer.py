@@ -19,8 +19,8 @@ from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from lplugins._pl.callbacks._collective import agree_on_failure
-from lplugins._pl.callbacks._errors import CheckpointWriteError
+from lplugins.callbacks._collective import agree_on_failure
+from lplugins.callbacks._errors import CheckpointWriteError
 from lplugins.callbacks._record import TMP_PREFIX, Record, now
 from lplugins._pl.callbacks._resume import SafeResumeIO
 from lplugins.callbacks._retention import Ledger
@@ -84,7 +84,7 @@ class CheckpointWriter(ABC):
     def finish(self, trainer: Trainer) -> None:
         """Finish every save in flight (and retention's deletes); report a background failure on all ranks.
 
-        The agreement is out of band (:func:`~lplugins._pl.callbacks._collective.agree_on_failure`): the rank
+        The agreement is out of band (:func:`~lplugins.callbacks._collective.agree_on_failure`): the rank
         whose write failed raises its error, the others a :class:`CheckpointWriteError` carrying it.
         """
         self.flush()
@@ -160,7 +160,7 @@ class CheckpointWriter(ABC):
     ) -> None:
         """All ranks learn whether any rank failed; all raise together, every rank with the real error.
 
-        Out of band (the process group's store, :func:`~lplugins._pl.callbacks._collective.agree_on_failure`):
+        Out of band (the process group's store, :func:`~lplugins.callbacks._collective.agree_on_failure`):
         it cannot pair with a collective the strategy runs inside its save, so a rank stuck in one
         (DeepSpeed's final barrier, when rank 0's part raised) does not hang the job.
         """

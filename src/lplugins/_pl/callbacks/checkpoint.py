@@ -23,11 +23,11 @@ from lplugins._pl import _lightning
 from lplugins._log import announce
 from lplugins._pl.callbacks import _rng
 from lplugins._pl.callbacks._async import AsyncWriter
-from lplugins._pl.callbacks._collective import broadcast, gather, reduce_max, writable_on_every_rank
-from lplugins._pl.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
-from lplugins._pl.callbacks._errors import CheckpointConfigError
+from lplugins.callbacks._collective import broadcast, gather, reduce_max, writable_on_every_rank
+from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
+from lplugins.callbacks._errors import CheckpointConfigError
 from lplugins._pl.callbacks._position import DataPosition
-from lplugins._pl.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
+from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
 from lplugins._pl.callbacks._resume import LatestResolver, understand_ckpt_path
 from lplugins.callbacks._retention import Ledger

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lplugins._pl.strategies._ds_config import DeepSpeedConfigError
+    from lplugins.strategies._ds_config import DeepSpeedConfigError
     from lplugins._pl.strategies.advisor import Advice, AdvisorError, advise
     from lplugins._pl.strategies.ddp import DDPStrategy
     from lplugins._pl.strategies.deepspeed import DeepSpeedStrategy
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "DeepSpeedStrategy": "lplugins._pl.strategies.deepspeed",
-    "DeepSpeedConfigError": "lplugins._pl.strategies._ds_config",
+    "DeepSpeedConfigError": "lplugins.strategies._ds_config",
     "DDPStrategy": "lplugins._pl.strategies.ddp",
     "FSDP2Strategy": "lplugins._pl.strategies.fsdp2",
     "Advice": "lplugins._pl.strategies.advisor",

@@ -2,9 +2,9 @@
 """The strategy advisor: which of DDP / ZeRO-2 / FSDP / ZeRO-3 / ZeRO-3 + offload fits, and why.
 
 Three parts: the memory model (bytes per parameter, per strategy, and what is assumed about a target
-it cannot measure: :mod:`lplugins._pl.strategies._memory`, which shows the ZeRO paper's table), the
+it cannot measure: :mod:`lplugins.strategies._memory`, which shows the ZeRO paper's table), the
 recommendation and the named strategy ``"advised"`` (here), and the words, Python's or the CLI's
-(:mod:`lplugins._pl.strategies._advice_text`). Activations are not modelled: ``headroom``
+(:mod:`lplugins.strategies._advice_text`). Activations are not modelled: ``headroom``
 (default 20% of device memory) is kept free for them. Recommendations prefer the least sharding
 that fits (less communication).
 """
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from lplugins._log import announce
 from lplugins._validate import did_you_mean, is_int, positive_int, positive_number
-from lplugins._pl.strategies._advice_text import CLI_SPELLING, PYTHON_SPELLING, Advice, Spelling, explain, nothing_fits
-from lplugins._pl.strategies._memory import (
+from lplugins.strategies._advice_text import CLI_SPELLING, PYTHON_SPELLING, Advice, Spelling, explain, nothing_fits
+from lplugins.strategies._memory import (
     CANDIDATES,
     GIB,
     OPTIMIZER_STATE_BYTES,
@@ -90,7 +90,7 @@ def advise(
         host_memory_gib: Host RAM per node in GiB, for offload. Default: this machine's RAM when the
             target is this machine (its GPUs, as many as it has, or CPU); for other GPU nodes, what is
             typical for their GPUs (2,048 GiB for 8 x 80 GiB, see
-            :func:`~lplugins._pl.strategies._memory.typical_host_memory_gib`), stated in the advice.
+            :func:`~lplugins.strategies._memory.typical_host_memory_gib`), stated in the advice.
         accelerator: ``"cuda"`` (or ``"gpu"``), ``"cpu"``, or ``"auto"`` (this machine's). On CPU, FSDP
             is lplugins' ``"fsdp2"`` (Lightning's FSDP refuses CPU), and offload is pointless (the device
             memory is host memory).

@@ -11,7 +11,7 @@ its CPU accelerator with the gloo backend. This subclass:
   makes each optimizer step with ``1/k`` of the gradient and this one does not (see :meth:`backward`);
 * validates the DeepSpeed config (dict or JSON path) when it is built, fills ``"auto"`` values
   from the Trainer, and refuses a config that contradicts the Trainer (see
-  :mod:`lplugins._pl.strategies._ds_config`);
+  :mod:`lplugins.strategies._ds_config`);
 * takes its process-group timeout from :func:`lplugins.strategies.timeout.resolve_timeout`.
 
 Where Lightning's strategy has no public hook, its private steps are reached through
@@ -46,7 +46,7 @@ from lplugins._coord.board import add_note
 from lplugins._errors import LPluginsError
 from lplugins._validate import is_int, positive_int
 from lplugins._pl.strategies import _elastic
-from lplugins._pl.strategies._ds_config import (
+from lplugins.strategies._ds_config import (
     DeepSpeedConfigError,
     TrainerFacts,
     check_against_trainer,
