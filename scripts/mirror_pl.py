@@ -125,7 +125,9 @@ def references(path: Path, known: set[str]) -> tuple[bool, set[str]]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            submodules = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            # ``from package import submodule`` refers to the submodule; anything else to the module named
+            names = submodules if len(submodules) == len(node.names) else [node.module, *submodules]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and not node.value.count(" "):
             # a module named in an import table ("lightning.pytorch.strategies", "lplugins.callbacks.checkpoint"),
             # not prose (an error message naming a class)
