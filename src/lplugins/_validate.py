@@ -51,7 +51,7 @@ def positive_int(
     >>> positive_int("every_n_steps", 0, owner="DurableCheckpoint")
     Traceback (most recent call last):
     ...
-    lplugins._errors.LPluginsError: DurableCheckpoint: every_n_steps=0 is not allowed; it must be an int >= 1.
+    lplugins.LPluginsError: DurableCheckpoint: every_n_steps=0 is not allowed; it must be an int >= 1.
     """
     if value is None and optional:
         return None
@@ -104,7 +104,7 @@ def a_bool(name: str, value: Any, *, error: type[Exception] = LPluginsError, own
     >>> a_bool("async_save", "no", owner="DurableCheckpoint")
     Traceback (most recent call last):
     ...
-    lplugins._errors.LPluginsError: DurableCheckpoint: async_save='no' is not allowed; it must be True or False.
+    lplugins.LPluginsError: DurableCheckpoint: async_save='no' is not allowed; it must be True or False.
     """
     if not isinstance(value, bool):
         prefix = f"{owner}: " if owner else ""

@@ -365,7 +365,7 @@ def check_call(
     >>> check_call("schedule", "ramp", ramp, {}, {"start": 4})
     Traceback (most recent call last):
     ...
-    lplugins._errors.ParameterError: schedule 'ramp': ramp is missing required parameter(s) 'target', 'over'. \
+    lplugins.ParameterError: schedule 'ramp': ramp is missing required parameter(s) 'target', 'over'. \
 Parameters: start, target, over, unit.
     """
     acc = accepted(factory)
