@@ -35,6 +35,7 @@ Lightning internals (the checkpoint dict, ``trainer.ckpt_path``, wrapping a stra
 """
 
 from lplugins.callbacks._errors import (
+    CheckpointClaimError,
     CheckpointConfigError,
     CheckpointDirectoryError,
     CheckpointResumeError,
@@ -50,6 +51,7 @@ from lplugins.callbacks.checkpoint import DurableCheckpoint, request_checkpoint
 __all__ = [
     "LATEST",
     "PREEMPTED_EXIT_CODE",
+    "CheckpointClaimError",
     "CheckpointConfigError",
     "CheckpointDirectoryError",
     "CheckpointResumeError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lplugins._errors import LPluginsError, UnsafeCheckpointError  # in the foundation: strategies raise it too
 
 __all__ = [
+    "CheckpointClaimError",
     "CheckpointConfigError",
     "CheckpointDirectoryError",
     "CheckpointResumeError",
@@ -25,6 +26,12 @@ class CheckpointWriteError(LPluginsError, OSError):
 
 class CheckpointDirectoryError(LPluginsError, OSError):
     """The checkpoint directory cannot be created or written; raised at setup, before any training."""
+
+
+class CheckpointClaimError(CheckpointDirectoryError):
+    """Another job holds the checkpoint directory (its claim names host, pid and start time); raised at setup,
+    before any training and before anything in the directory is touched. ``DurableCheckpoint(take_over=True)``
+    takes it over instead."""
 
 
 class CheckpointResumeError(LPluginsError, RuntimeError):
