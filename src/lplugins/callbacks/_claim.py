@@ -246,13 +246,13 @@ class DirectoryClaim:
             with self._lock:
                 if self._stop.is_set():
                     return
-                now, _ = self._read()
-                if now is not None and now.token != self.claim.token:
-                    self.lost = now
+                now, problem = self._read()
+                if problem is None and (now is None or now.token != self.claim.token):
+                    self.lost = now  # replaced, or removed by a job that took it over and ended: never rewritten
                     log.warning(
                         "lplugins: DurableCheckpoint: another job (%s) took checkpoint directory %s over from this"
                         " one; this job no longer holds it.",
-                        now.describe(), self.storage.dirpath,
+                        now.describe() if now is not None else "since ended", self.storage.dirpath,
                     )  # fmt: skip
                     return
                 try:
