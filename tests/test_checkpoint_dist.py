@@ -212,3 +212,35 @@ with open(f"losses.{t.global_rank}.json", "w") as f:
         assert len(res["full"]) == 12
         assert res["resumed"] == res["full"]  # bit for bit, per rank
     assert ranks[0]["full"] != ranks[1]["full"]  # the ranks did see different data and dropout masks
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["step", "epoch_end"])
+def test_should_stop_set_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, where: str) -> None:
+    """Lightning does not share ``trainer.should_stop``; with a DurableCheckpoint it reaches every rank (no hang)."""
+    source = r"""
+import json, sys
+import lightning.pytorch as pl
+from lplugins.callbacks import DurableCheckpoint
+from tests.models import Regression, regression_loader
+
+WHERE = sys.argv[1]
+
+class StopOnRankOne(pl.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if WHERE == "step" and trainer.global_rank == 1 and trainer.global_step == 3:
+            trainer.should_stop = True
+    def on_train_epoch_end(self, trainer, pl_module):
+        if WHERE == "epoch_end" and trainer.global_rank == 1:
+            trainer.should_stop = True
+
+trainer = pl.Trainer(
+    accelerator="cpu", devices=2, strategy="ddp", max_epochs=5, logger=False, enable_progress_bar=False,
+    enable_model_summary=False, callbacks=[StopOnRankOne(), DurableCheckpoint("ckpts", every_n_steps=2)],
+)
+trainer.fit(Regression(), regression_loader(64, batch_size=4))
+print(json.dumps({"rank": trainer.global_rank, "step": trainer.global_step, "epoch": trainer.current_epoch}))
+"""
+    result = run_script(source, tmp_path, timeout=200, args=[where]).check()
+    ends = sorted(json.loads(line)["step"] for line in result.stdout.splitlines() if line.startswith("{"))
+    assert ends == ([3, 3] if where == "step" else [8, 8]), result.stdout  # 64 samples / 2 ranks / 4 per batch

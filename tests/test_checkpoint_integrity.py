@@ -285,6 +285,46 @@ def test_weights_only_false_is_honoured_with_one_warning_naming_the_file(tmp_pat
     assert [str(w.message).count(path) for w in record if "weights_only=False" in str(w.message)] == [1]
 
 
+class _Touch:
+    """Pickles as a call of ``os.system`` that creates a file: what a tampered checkpoint can carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_weights_only_false_with_latest_names_the_file_before_unpickling_it_and_checks_its_bytes_first(
+    tmp_path: Path, caplog_info: pytest.LogCaptureFixture
+) -> None:
+    """``ckpt_path="latest"`` with ``weights_only=False``: said once on rank zero, naming the file about to be
+    unpickled and that safe loading was turned off; a file whose bytes do not match its commit marker is never
+    unpickled (its code never runs), even though full unpickling was asked for."""
+    d, marker = tmp_path / "ckpts", tmp_path / "PAYLOAD_RAN"
+    fit(d, 4)
+    newest = d / STEP4
+    tampered = torch.load(newest, weights_only=True)
+    tampered["hyper_parameters"] = {"lr": _Touch(marker)}
+    torch.save(tampered, newest)
+    marker_path = d / (STEP4 + COMMIT_SUFFIX)
+    forged = Record.from_json(marker_path.read_bytes())
+    forged.size = newest.stat().st_size  # the size fits (the start's cleanup keeps it); the CRC32 does not
+    marker_path.write_bytes(forged.to_json())
+    with pytest.warns(UserWarning, match="opted out of safe loading") as record:
+        trainer, model = fit(d, 6, "latest", weights_only=False)
+    assert not marker.exists(), "the tampered checkpoint was unpickled"
+    assert trainer.ckpt_path == str(d / STEP2) and model.steps_run == 4
+    said = [str(w.message) for w in record if "weights_only=False" in str(w.message)]
+    assert said == [
+        f"lplugins: about to unpickle checkpoint {str(d / STEP2)!r} with weights_only=False: you opted out of safe"
+        " loading (passed to the Trainer), so torch.load runs any code pickled in it. Do this only for a file you"
+        " wrote yourself or otherwise trust."
+    ]
+    assert any("every byte checked against its CRC32 before loading" in line for line in lines(caplog_info))
+    assert any(STEP4 in str(p) for p in (d / QUARANTINE).rglob("*"))  # set aside, never resumed from
+
+
 # ------------------------------------------------------------------------------------------ disk full
 def test_disk_full_says_no_space_left_and_the_path_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write = StreamWriter.write

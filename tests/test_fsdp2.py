@@ -135,3 +135,23 @@ trainer.strategy.barrier()
         assert out["first"] + out["rest"] == out["full"]  # bit for bit
     checkpoint = tmp_path / "run" / "step=000000004-epoch=0000.ckpt"
     assert checkpoint.is_dir() is distributed
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_validate_after_fit_reuses_the_sharded_model(tmp_path: Path) -> None:
+    script = (
+        COMMON
+        + r"""
+class Val(MLP):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+trainer, model = fit("fsdp2", max_steps=2, model_class=Val)
+metrics = trainer.validate(model, data())
+print(json.dumps({"rank": trainer.global_rank, "val_loss": metrics[0]["val_loss"]}))
+"""
+    )
+    result = run_script(script, tmp_path, timeout=280).check()
+    seen = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in seen) == [0, 1] and seen[0]["val_loss"] == seen[1]["val_loss"]

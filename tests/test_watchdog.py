@@ -296,3 +296,37 @@ def test_rank_zero_does_not_take_the_store_away_while_a_slower_rank_still_reads_
     outs = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]
     assert outs == [{"rank": 0, "failures": [], "ok": True}, {"rank": 1, "failures": [], "ok": True}], outs
     assert launch["codes"] == [0, 0]
+
+
+RANK_DIES_IN_AGREEMENT = (
+    LAUNCH
+    + r"""
+import signal, time
+import torch.distributed as dist
+from lplugins._coord import board
+
+RANK = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=RANK, world_size=2)
+if RANK == 1:  # inside the agreement (its board made), killed before it answers
+    board.current_board()
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.time()
+result = board.agree(None, "a save")  # no watchdog armed: no heartbeat to judge rank 1 by
+with open("out0.json", "w") as f:
+    json.dump({"missing": result.missing, "seconds": time.time() - start}, f)
+"""
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_rank_killed_inside_an_agreement_is_missed_at_once_not_at_the_process_group_timeout(tmp_path: Path) -> None:
+    """The FSDP2 hang the kill fuzz found (#24): rank 1 killed inside the agreement that ends a save, before it
+    answered, and rank 0 polled until the process-group timeout (30 min). A rank on this host whose process
+    has ended is missing within about a second, watchdog or not."""
+    run_script(RANK_DIES_IN_AGREEMENT, tmp_path, timeout=100, env={"JOB_DEADLINE": "60"}).check()
+    launch = json.loads((tmp_path / "launch.json").read_text())
+    out = json.loads((tmp_path / "out0.json").read_text())
+    assert out["missing"] == [1], out
+    assert launch["codes"][1] == -9

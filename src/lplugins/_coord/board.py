@@ -15,13 +15,14 @@ functions.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from lplugins._coord import elastic
+from lplugins._coord import elastic, procs
 from lplugins._coord.stacks import Where
 from lplugins._log import log
 
@@ -86,6 +87,9 @@ class Board:
         self.lock = threading.Lock()
         self.read_lock = threading.Lock()
         self.prefix = elastic.store_prefix()
+        # where this rank's process runs: a rank on the same host learns at once when it has ended
+        self.store.set(f"proc/{self.rank}", json.dumps({"host": procs.host(), "pid": os.getpid()}))
+        self._procs: dict[int, dict[str, Any]] = {}
 
     @property
     def store(self) -> Any:
@@ -228,11 +232,23 @@ class Board:
         return time.time() - float(json.loads(self.store.get(f"state/{rank}"))["t"])
 
     def _silent(self, rank: int) -> bool:
-        """Whether ``rank``'s watchdog published a heartbeat once and then none for :data:`SILENT_RANK_S`."""
+        """Whether ``rank`` is gone: its process ran on this host and has ended, or its watchdog published a
+        heartbeat once and then none for :data:`SILENT_RANK_S` (a rank on another host)."""
+        if self._ended(rank):
+            return True
         if not _watched or not self.store.check([f"state/{rank}"]):
             return False  # no watchdog here or there: nothing to judge by
         state = json.loads(self.store.get(f"state/{rank}"))
         return bool(time.time() - state["t"] > max(SILENT_RANK_S, 3 * _bound))
+
+    def _ended(self, rank: int) -> bool:
+        """Whether ``rank``'s process ran on this host and is no longer running (killed, crashed)."""
+        proc = self._procs.get(rank)
+        if proc is None:
+            if not self.store.check([f"proc/{rank}"]):
+                return False  # its board is not made yet: nothing to judge by
+            proc = self._procs[rank] = json.loads(self.store.get(f"proc/{rank}"))
+        return bool(proc["host"] == procs.host() and not procs.running(int(proc["pid"])))
 
     def answer_for_main(self, state: Where) -> None:
         """Answer, for a main thread stuck in a collective, each agreement a failing rank waits in."""

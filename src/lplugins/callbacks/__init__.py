@@ -17,6 +17,7 @@ The package, one concern per module (arrows point down: a module imports only th
     _async.py            AsyncWriter: CPU snapshots (deferred copies, buffer reuse) written on a background thread
     _writer.py           the CheckpointWriter interface; SyncWriter and StrategyWriter (sharded directories)
     _retention.py        Retention (which checkpoints to keep) and the Ledger of committed ones (background deletes)
+    _claim.py            DirectoryClaim: one job writes a dirpath at a time (rank 0's claim, heartbeat, stale takeover)
     _collective.py       the collectives, through the trainer's strategy; ranks agreeing on a path
     _background.py       BackgroundQueue: one thread running jobs in order, errors kept for the training thread
     _serialization.py    the torch.save stream without torch's per-record CRCs; the storages it writes
@@ -40,6 +41,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lplugins.callbacks._errors import (
+    CheckpointClaimError,
     CheckpointConfigError,
     CheckpointDirectoryError,
     CheckpointResumeError,
@@ -66,6 +68,7 @@ _LAZY = {
 __all__ = [
     "LATEST",
     "PREEMPTED_EXIT_CODE",
+    "CheckpointClaimError",
     "CheckpointConfigError",
     "CheckpointDirectoryError",
     "CheckpointResumeError",

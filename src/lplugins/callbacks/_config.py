@@ -50,11 +50,19 @@ class CheckpointConfig:
     crc32: bool = True
     filename: str | None = None
     auto_insert_metric_name: bool = True
+    take_over: bool = False
     #: How checkpoints are named (from ``filename`` and ``auto_insert_metric_name``); set when built.
     names: NameTemplate = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for flag in ("save_on_train_end", "async_save", "slurm_requeue", "crc32", "auto_insert_metric_name"):
+        for flag in (
+            "save_on_train_end",
+            "async_save",
+            "slurm_requeue",
+            "crc32",
+            "auto_insert_metric_name",
+            "take_over",
+        ):
             a_bool(flag, getattr(self, flag), error=CheckpointConfigError, owner=_OWNER)
         an_int = functools.partial(positive_int, error=CheckpointConfigError, owner=_OWNER)
         an_int("every_n_steps", self.every_n_steps, optional=True)

@@ -9,6 +9,7 @@ from lplugins._errors import (  # in the foundation: strategies raise it too
 )
 
 __all__ = [
+    "CheckpointClaimError",
     "CheckpointConfigError",
     "CheckpointDirectoryError",
     "CheckpointResumeError",
@@ -31,6 +32,12 @@ class CheckpointDirectoryError(LPluginsError, OSError):
     """The checkpoint directory cannot be created or written; raised at setup, before any training."""
 
 
+class CheckpointClaimError(CheckpointDirectoryError):
+    """Another job holds the checkpoint directory (its claim names host, pid and start time); raised at setup,
+    before any training and before anything in the directory is touched. ``DurableCheckpoint(take_over=True)``
+    takes it over instead."""
+
+
 class CheckpointResumeError(LPluginsError, RuntimeError):
     """A resume cannot proceed: the ranks resolved different checkpoints (the directory is not shared), or
     ``ckpt_path="latest"`` was given to a Trainer without a ``DurableCheckpoint``."""
@@ -48,6 +55,7 @@ class InconsistentCheckpointError(CheckpointResumeError):
 shown_from(
     "lplugins.callbacks",
     CheckpointConfigError,
+    CheckpointClaimError,
     CheckpointWriteError,
     CheckpointDirectoryError,
     CheckpointResumeError,

@@ -52,6 +52,32 @@ class Cleanup:
     orphans: list[str] = field(default_factory=list)
     quarantined: list[tuple[str, str, str]] = field(default_factory=list)
 
+    def announce(self, dirpath: str) -> None:
+        """Say once on rank zero what was removed or moved aside in ``dirpath``."""
+        from lplugins._log import announce
+
+        def listing(names: list[str]) -> str:
+            return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+        if self.uncommitted:
+            announce(
+                "lplugins: DurableCheckpoint removed %d uncommitted leftover(s) of interrupted saves in %s (never"
+                " committed, never resumed from): %s",
+                len(self.uncommitted), dirpath, listing(self.uncommitted),
+            )  # fmt: skip
+        if self.orphans:
+            announce(
+                "lplugins: DurableCheckpoint removed %d commit marker(s) whose data is gone (an interrupted save"
+                " or delete) in %s: %s",
+                len(self.orphans), dirpath, listing(self.orphans),
+            )  # fmt: skip
+        for name, reason, where in self.quarantined:
+            announce(
+                "lplugins: DurableCheckpoint: committed checkpoint %s is damaged (%s): moved to %s (kept for"
+                " inspection, never resumed from)",
+                name, reason, where,
+            )  # fmt: skip
+
 
 _CHUNK = 8 << 20
 

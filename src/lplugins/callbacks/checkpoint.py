@@ -22,7 +22,8 @@ from lplugins import _lightning
 from lplugins._log import announce
 from lplugins.callbacks import _rng
 from lplugins.callbacks._async import AsyncWriter
-from lplugins.callbacks._collective import broadcast, gather, reduce_max, writable_on_every_rank
+from lplugins.callbacks._claim import DirectoryClaim, claim_directory
+from lplugins.callbacks._collective import any_rank, broadcast, gather, reduce_max, writable_on_every_rank
 from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
 from lplugins.callbacks._errors import CheckpointConfigError
 from lplugins.callbacks._position import DataPosition
@@ -93,6 +94,10 @@ class DurableCheckpoint(Checkpoint):
             Names never decide which checkpoint is newest: the commit order does.
         auto_insert_metric_name: With ``filename``, write ``name=`` before each field
             (``epoch=3-step=100-val_loss=0.123.ckpt``), as Lightning's ``ModelCheckpoint`` does.
+        take_over: One job writes a ``dirpath`` at a time: ``fit`` claims it (rank 0, before touching it) and
+            refuses to start while another live job holds it (``CheckpointClaimError`` naming its host, pid
+            and start time). A claim whose process is gone or whose heartbeat stopped is taken over on its own
+            (said once); ``True`` takes over a live claim too (stop the other job first).
 
     Attributes:
         config: The arguments, checked and frozen (each is also readable as an attribute, e.g. ``every_n_steps``).
@@ -101,6 +106,7 @@ class DurableCheckpoint(Checkpoint):
             snapshot plus waiting for its deferred copies before the next optimizer step).
 
     Raises:
+        CheckpointClaimError: (an ``OSError``, at ``fit``) another live job holds ``dirpath`` (see ``take_over``).
         CheckpointConfigError: (a ``ValueError``) an interval, ``keep_last``, ``keep_top``, ``max_in_flight``,
             ``mode``, ``monitor``, ``verify``, ``filename``, ``dirpath`` (empty or not a path), a bool argument
             that is not a real ``bool``, or a signal is invalid or cannot be caught (``SIGKILL``, ``SIGSTOP``);
@@ -130,6 +136,7 @@ class DurableCheckpoint(Checkpoint):
     crc32 = ConfigField[bool]()
     filename = ConfigField[str | None]()
     auto_insert_metric_name = ConfigField[bool]()
+    take_over = ConfigField[bool]()
 
     def __init__(
         self,
@@ -152,13 +159,14 @@ class DurableCheckpoint(Checkpoint):
         crc32: bool = True,
         filename: str | None = None,
         auto_insert_metric_name: bool = True,
+        take_over: bool = False,
     ) -> None:
         self.config = CheckpointConfig(
             every_n_steps=every_n_steps, every_n_seconds=every_n_seconds, every_n_epochs=every_n_epochs,
             save_on_train_end=save_on_train_end, keep_last=keep_last, keep_top=keep_top, monitor=monitor, mode=mode,
             async_save=async_save, max_in_flight=max_in_flight, preemption_signals=preemption_signals,
             preemption_exit_code=preemption_exit_code, slurm_requeue=slurm_requeue, verify=verify, crc32=crc32,
-            filename=filename, auto_insert_metric_name=auto_insert_metric_name,
+            filename=filename, auto_insert_metric_name=auto_insert_metric_name, take_over=take_over,
         )  # fmt: skip
         self.dirpath = check_dirpath(dirpath)
         # the directory as one spelling: restarting with ``ckpts/`` for ``ckpts`` still restores this state
@@ -167,6 +175,7 @@ class DurableCheckpoint(Checkpoint):
         self.save_stalls: list[float] = []
         self._ledger: Ledger | None = None
         self._writer: CheckpointWriter | None = None
+        self._claim: DirectoryClaim | None = None  # rank 0's claim on dirpath, during fit
         self._resolver: LatestResolver | None = None
         self._signals = PreemptionSignals(self.config.preemption_signals)
         self._requested = False
@@ -220,30 +229,9 @@ class DurableCheckpoint(Checkpoint):
         if stage != "fit":
             return
         writable_on_every_rank(trainer, storage)
+        self._claim = claim_directory(trainer, storage, self.config.take_over)  # before touching the directory
         if trainer.is_global_zero:
-
-            def _listing(names: list[str]) -> str:
-                return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-            done = storage.clean_leftovers(self.config.names.pattern)
-            if done.uncommitted:
-                announce(
-                    "lplugins: DurableCheckpoint removed %d uncommitted leftover(s) of interrupted saves in %s (never"
-                    " committed, never resumed from): %s",
-                    len(done.uncommitted), dirpath, _listing(done.uncommitted),
-                )  # fmt: skip
-            if done.orphans:
-                announce(
-                    "lplugins: DurableCheckpoint removed %d commit marker(s) whose data is gone (an interrupted save"
-                    " or delete) in %s: %s",
-                    len(done.orphans), dirpath, _listing(done.orphans),
-                )  # fmt: skip
-            for name, reason, where in done.quarantined:
-                announce(
-                    "lplugins: DurableCheckpoint: committed checkpoint %s is damaged (%s): moved to %s (kept for"
-                    " inspection, never resumed from)",
-                    name, reason, where,
-                )  # fmt: skip
+            storage.clean_leftovers(self.config.names.pattern).announce(dirpath)
             self._ledger.open()  # retention deletes old checkpoints off the training thread
         trainer.strategy.barrier("DurableCheckpoint.setup")
         self._writer = self._choose_writer(trainer, self._ledger)
@@ -316,10 +304,10 @@ class DurableCheckpoint(Checkpoint):
             and time.monotonic() - self._last_save_time >= every_n_seconds
         )
         failed = self._writer is not None and self._writer.failed()
-        flags = reduce_max(
-            trainer, [int(self._requested), int(self._signals.received is not None), int(failed), int(time_due)]
-        )
-        requested, preempt, background_failed, time_due = (bool(f) for f in flags)
+        asked = [self._requested, self._signals.received is not None, failed, time_due, trainer.should_stop]
+        flags = reduce_max(trainer, [int(flag) for flag in asked])
+        requested, preempt, background_failed, time_due, stop = (bool(f) for f in flags)
+        trainer.should_stop = stop  # set on one rank (Lightning does not share it): all stop at this step
         self._requested = False
         if background_failed and self._writer is not None:
             self._writer.raise_failure()
@@ -349,6 +337,7 @@ class DurableCheckpoint(Checkpoint):
 
     @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        trainer.should_stop = any_rank(trainer, trainer.should_stop)  # set on one rank outside a step boundary
         every = self.config.every_n_epochs
         if every is not None and (trainer.current_epoch + 1) % every == 0:
             self._save(trainer, "epoch")
@@ -474,6 +463,9 @@ class DurableCheckpoint(Checkpoint):
             self._writer.close()
         if self._ledger is not None:
             self._ledger.close()
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     # ---------------------------------------------------------------------------------- preemption
     def _preemption_exit(self, trainer: Trainer) -> None:

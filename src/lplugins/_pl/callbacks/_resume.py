@@ -199,6 +199,7 @@ class LatestResolver:
         self.trainer = trainer
         self.dirpath = dirpath
         self.deep = deep
+        self._unpickles = False  # the load in progress runs with weights_only=False
         self.forget = forget
         #: What the last ``"latest"`` resolved to.
         self.resolved: str | None = None
@@ -225,6 +226,8 @@ class LatestResolver:
         """
         if self._loading:
             return attempt(path)
+        # a full unpickle (weights_only=False) runs code: every byte is checked before it, not while
+        self._unpickles = _lightning.running_weights_only() is False
         if isinstance(path, str) and path == LATEST:
             return self._load_latest(attempt, in_place)
         return self._load_explicit(os.fspath(path), attempt)
@@ -317,7 +320,7 @@ class LatestResolver:
         check = functools.partial(bytes_problem, storage, record, rank, world)
         if not can_verify(record):
             result = self._attempt(path, attempt)
-        elif self.deep or not storage.parallel_reads:  # before loading (remote: one handle per file at a time)
+        elif self.deep or self._unpickles or not storage.parallel_reads:  # before loading (remote: one at a time)
             if (problem := check()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
             result = self._attempt(path, attempt)
@@ -398,7 +401,7 @@ class LatestResolver:
             return
         if not can_verify(record):
             check = "size and archive directory checked; its marker has no CRC32 (written with crc32=False)"
-        elif self.deep or not open_storage(self.dirpath).parallel_reads:
+        elif self.deep or self._unpickles or not open_storage(self.dirpath).parallel_reads:
             check = "every byte checked against its CRC32 before loading"
         else:
             check = "every byte checked against its CRC32 while loading"
@@ -474,8 +477,9 @@ def warn_not_weights_only(path: str) -> None:
     from pytorch_lightning.utilities import rank_zero_warn
 
     rank_zero_warn(
-        f"Loading checkpoint {path!r} with weights_only=False, as passed to the Trainer: torch.load runs any code"
-        " pickled in it. Do this only for a file you wrote yourself or otherwise trust."
+        f"lplugins: about to unpickle checkpoint {path!r} with weights_only=False: you opted out of safe loading"
+        " (passed to the Trainer), so torch.load runs any code pickled in it."
+        " Do this only for a file you wrote yourself or otherwise trust."
     )
 
 

@@ -101,7 +101,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         if is_overridden("configure_model", module):
             super().setup(trainer)
             return
-        units = shard_model(module, self.device_mesh["data_parallel"], self.shard, self.reshard_after_forward)
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(module, FSDPModule):  # sharded by an earlier fit/validate (fully_shard applies once)
+            units = getattr(self, "sharded_units", 0)
+        else:
+            units = shard_model(module, self.device_mesh["data_parallel"], self.shard, self.reshard_after_forward)
         # Lightning's ModelParallelStrategy insists on a configure_model; the sharding is done (above)
         module.configure_model = _sharded_by_strategy  # type: ignore[method-assign]
         try:
