@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,7 +76,8 @@ def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> N
 
 
 def records(out: str) -> list[dict[str, object]]:
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    """The flat JSON records the ranks print (two ranks share one stdout: their lines may run together)."""
+    return [json.loads(found) for found in re.findall(r"\{\"[^{}]*\}", out)]
 
 
 def checkpoints(d: Path) -> set[str]:

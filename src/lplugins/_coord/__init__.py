@@ -5,6 +5,7 @@ timeout; a clean run must end 0 on every rank. The pieces, each importing only t
 
 * ``stacks``: what a rank's main thread waits in, read from its Python stack;
 * ``elastic``: torchelastic's stop signals and per-attempt store keys;
+* ``procs``: whether a process on this host still runs (a killed rank is known at once);
 * ``board``: the failure board in the process group's store, and agreements through it;
 * ``watchdog``: the thread that publishes each rank's state, detects mismatched collectives and
   stops the job with a report on every rank;

@@ -25,7 +25,6 @@ from lplugins.callbacks._async import AsyncWriter
 from lplugins.callbacks._claim import DirectoryClaim, claim_directory
 from lplugins.callbacks._collective import any_rank, broadcast, gather, reduce_max, writable_on_every_rank
 from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
-from lplugins.callbacks._errors import CheckpointConfigError
 from lplugins.callbacks._position import DataPosition
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
@@ -35,7 +34,7 @@ from lplugins.callbacks._storage import canonical_dirpath
 from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, writes_itself
 
-__all__ = ["DurableCheckpoint", "request_checkpoint"]
+__all__ = ["DurableCheckpoint"]
 
 
 class DurableCheckpoint(Checkpoint):
@@ -480,28 +479,3 @@ class DurableCheckpoint(Checkpoint):
             trainer.should_stop = True
             return
         raise SystemExit(self.config.preemption_exit_code)
-
-
-def request_checkpoint(trainer: Trainer) -> None:
-    """Ask every :class:`DurableCheckpoint` of ``trainer`` for a checkpoint at the next step boundary.
-
-    Safe to call on one rank only, e.g. inside ``if trainer.is_global_zero:``: it only sets a flag, and
-    the callback carries it to all ranks with the collective it runs at each step boundary, so all
-    ranks save together. This replaces the pattern that deadlocks under DDP::
-
-        if batch_idx % 1000 == 0 and self.trainer.is_global_zero:
-            self.trainer.save_checkpoint(...)  # save_checkpoint is collective: the other ranks never join
-
-    (With lplugins installed, the collective watchdog turns that hang into an error on every rank after
-    ``LPLUGINS_COLLECTIVE_TIMEOUT`` seconds, naming the call and the line; this function avoids it.)
-
-    Raises:
-        CheckpointConfigError: (a ``ValueError``) ``trainer`` has no ``DurableCheckpoint`` callback.
-    """
-    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, DurableCheckpoint)]  # type: ignore[attr-defined]
-    if not callbacks:
-        raise CheckpointConfigError(
-            "request_checkpoint(trainer): the trainer has no DurableCheckpoint callback; add one."
-        )
-    for cb in callbacks:
-        cb.request()

@@ -9,6 +9,9 @@ The package, one concern per module (arrows point down: a module imports only th
 
     checkpoint.py        DurableCheckpoint: the policy -- triggers, retention and top-K, its state, Lightning hooks
     _config.py           CheckpointConfig: the constructor's arguments, checked and frozen
+    _request.py          request_checkpoint: a save asked for from one rank
+    _latest.py           latest_checkpoint: the newest committed checkpoint whose data matches its marker
+    _refusals.py         why a checkpoint was not loaded: kinds of failure, weights-only refusals, resume refusals
     _resume.py           LatestResolver: every load for both load paths; "latest" falls back past damaged, disallowed,
                          inconsistent or unreadable checkpoints (ranks agreeing); SafeResumeIO, latest_checkpoint;
                          understand_ckpt_path: Lightning's "last" and "latest" in fit's parsing
@@ -51,19 +54,18 @@ from lplugins.callbacks._errors import (
     InconsistentCheckpointError,
     UnsafeCheckpointError,
 )
+from lplugins.callbacks._latest import LATEST, latest_checkpoint
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
-    from lplugins._pl.callbacks._resume import LATEST, latest_checkpoint
-    from lplugins._pl.callbacks.checkpoint import DurableCheckpoint, request_checkpoint
+    from lplugins._pl.callbacks._request import request_checkpoint
+    from lplugins._pl.callbacks.checkpoint import DurableCheckpoint
 
 # Lightning-facing names load on first use: importing a Lightning-free module of this package
 # (``lplugins.callbacks._storage``) never imports a Lightning namespace
 _LAZY = {
-    "LATEST": "lplugins._pl.callbacks._resume",
-    "latest_checkpoint": "lplugins._pl.callbacks._resume",
     "DurableCheckpoint": "lplugins._pl.callbacks.checkpoint",
-    "request_checkpoint": "lplugins._pl.callbacks.checkpoint",
+    "request_checkpoint": "lplugins._pl.callbacks._request",
 }
 
 __all__ = [

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +33,18 @@ from lplugins.callbacks._errors import (
     CheckpointResumeError,
     DamagedCheckpointError,
     InconsistentCheckpointError,
-    UnsafeCheckpointError,
 )
+from lplugins.callbacks._latest import LAST, LATEST, latest_checkpoint
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record, order
+from lplugins.callbacks._refusals import (
+    DAMAGED,
+    DISALLOWED,
+    INCONSISTENT,
+    UNREADABLE,
+    failure_kind,
+    refused_error,
+    unsafe_error,
+)
 from lplugins.callbacks._reshard import check_resume, describe_resume
 from lplugins.callbacks._storage import Storage
 from lplugins.callbacks._storages import open_storage
@@ -56,56 +64,6 @@ __all__ = [
     "understand_ckpt_path",
 ]
 
-#: The ``ckpt_path`` value that resolves to the newest committed, loadable checkpoint.
-LATEST = "latest"
-"""The ``ckpt_path`` value that resolves to the newest committed, loadable checkpoint (or a fresh start)."""
-#: Lightning's word for the newest checkpoint; with a ``DurableCheckpoint`` it means :data:`LATEST`.
-LAST = "last"
-
-
-def latest_checkpoint(dirpath: str | os.PathLike[str], *, deep: bool = False) -> str | None:
-    """The newest committed checkpoint in ``dirpath`` whose data matches its commit marker, or ``None``.
-
-    Uncommitted leftovers (temporary files, data without a commit marker) and unreadable or ill-typed
-    markers are never returned, and a committed checkpoint whose file was truncated or changed since is
-    skipped in favour of the next newest. Nothing is unpickled and nothing is moved. Pass the result to
-    ``trainer.fit(ckpt_path=...)``; ``None`` starts from scratch, so the same line works for the first run
-    and every restart. (``ckpt_path="latest"`` goes further: it verifies every byte while loading, and
-    falls back past a checkpoint that fails to load or does not match.)
-
-    Args:
-        dirpath: The directory a :class:`~lplugins._pl.callbacks.DurableCheckpoint` writes to.
-        deep: Also read every byte and check the archive's CRCs (slower; default checks the size and
-            the archive's directory).
-
-    Returns:
-        The checkpoint's path, or ``None`` when there is none.
-
-    Examples:
-        >>> import tempfile
-        >>> latest_checkpoint(tempfile.mkdtemp()) is None
-        True
-    """
-    storage = open_storage(dirpath)
-    record, _ = newest_loadable(storage, deep=deep)
-    return storage.path(record.name) if record is not None else None
-
-
-def newest_loadable(storage: Storage, *, deep: bool = False) -> tuple[Record | None, list[tuple[str, str]]]:
-    """The newest committed checkpoint whose data matches its marker, and the newer ones skipped with why.
-
-    Returns:
-        ``(record or None, [(name, problem), ...])``, the skipped ones newest first.
-    """
-    records = sorted((r for r, _ in storage.records() if r is not None), key=order)
-    skipped: list[tuple[str, str]] = []
-    for record in reversed(records):
-        problem = storage.check(record, deep=deep)
-        if problem is None:
-            return record, skipped
-        skipped.append((record.name, problem))
-    return None, skipped
-
 
 def load_weights_only(
     io: CheckpointIO, path: Any, map_location: Any = None, weights_only: bool = True
@@ -123,30 +81,6 @@ def load_weights_only(
         raise unsafe_error(path, err) from err
 
 
-def unsafe_error(path: Any, err: BaseException) -> UnsafeCheckpointError:
-    """The :class:`UnsafeCheckpointError` for torch's refusal ``err`` of ``path``: the file and the disallowed type.
-
-    >>> str(unsafe_error("c.ckpt", Exception("... Unsupported global: GLOBAL fractions.Fraction was not ...")))[:88]
-    "Refusing to load checkpoint 'c.ckpt': it holds fractions.Fraction, which torch.load(weig"
-    """
-    text = str(err)
-    found = _GLOBAL_RE.search(text)
-    what = found.group(1) if found else None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines else "")
-    holds = what if what else "an object"
-    allow = f"torch.serialization.add_safe_globals([{what}])" if what else "torch.serialization.add_safe_globals([...])"
-    return UnsafeCheckpointError(
-        f"Refusing to load checkpoint {os.fspath(path)!r}: it holds {holds}, which torch.load(weights_only=True)"
-        f" does not allow (nothing in it was executed). A file you did not write yourself may be malicious: do not"
-        f" load it. Only if you trust this file: allow the type with {allow}, or pass weights_only=False to"
-        f" fit()/validate()/test() with this ckpt_path.\ntorch said: {detail}"
-    )
-
-
-_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
-
-
 class NoCheckpoint(dict[str, Any]):
     """What ``ckpt_path="latest"`` loads when there is nothing to resume: a falsy dict Lightning skips."""
 
@@ -159,26 +93,6 @@ class NoCheckpoint(dict[str, Any]):
         import pytorch_lightning as lightning
 
         return cls({"pytorch-lightning_version": lightning.__version__})
-
-
-#: Why a candidate was skipped (each said in its own words).
-DAMAGED, DISALLOWED, INCONSISTENT, UNREADABLE = "damaged", "disallowed", "inconsistent", "unreadable"
-_KIND_OF_TYPE = {
-    DamagedCheckpointError.__name__: DAMAGED,
-    InconsistentCheckpointError.__name__: INCONSISTENT,
-    UnsafeCheckpointError.__name__: DISALLOWED,
-}
-_SEVERITY = (DAMAGED, INCONSISTENT, DISALLOWED, UNREADABLE)
-
-
-def failure_kind(failures: list[tuple[int, str]]) -> str:
-    """The kind of a candidate's failure, from every failing rank's ``"Type: message"`` (the gravest wins).
-
-    >>> failure_kind([(1, "UnicodeDecodeError: ..."), (0, "DamagedCheckpointError: ...")])
-    'damaged'
-    """
-    kinds = {_KIND_OF_TYPE.get(text.split(":", 1)[0], UNREADABLE) for _, text in failures}
-    return next(kind for kind in _SEVERITY if kind in kinds)
 
 
 class LatestResolver:
@@ -453,23 +367,6 @@ class LatestResolver:
             return self.load(checkpoint_path, attempt, in_place=True)
 
         return load_checkpoint
-
-
-#: Errors that refuse a resume on this world size or strategy (by class name, as failures travel between ranks).
-REFUSALS = ("ReshardError", "DeepSpeedReshardError")
-
-
-def refused_error(failures: list[tuple[int, str]], error: BaseException | None) -> None:
-    """Raise on every rank when a rank refused the resume (:data:`REFUSALS`): this rank's own error, or a
-    :class:`~lplugins.callbacks._reshard.ReshardError` with the refusing rank's message."""
-    from lplugins.callbacks._reshard import ReshardError
-
-    for rank, text in failures:
-        kind, _, message = text.partition(": ")
-        if kind in REFUSALS:
-            if error is not None and type(error).__name__ in REFUSALS:
-                raise error
-            raise ReshardError(f"{message.strip()} (refused on rank {rank})")
 
 
 def warn_not_weights_only(path: str) -> None:
