@@ -7,7 +7,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 # find_spec, not import: importing deepspeed prints its accelerator warning on every run
-if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('lplugins', 'pytest', 'deepspeed', 'matplotlib', 'tensorboard', 'build', 'mkdocstrings_handlers.python', 'material', 'hydra', 'pytorch_lightning', 'ray')))" 2>/dev/null; then
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('lplugins', 'pytest', 'xdist', 'deepspeed', 'matplotlib', 'tensorboard', 'build', 'mkdocstrings_handlers.python', 'material', 'hydra', 'pytorch_lightning', 'ray')))" 2>/dev/null; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     # torch first: a plain `torch` requirement would pull a multi-GB CUDA build
     .venv/bin/python -m pip install --quiet "torch==2.13.0"

@@ -374,8 +374,17 @@ with open(f"result-{trainer.global_rank}.json", "w") as f:
 """
 
 
+#: the 2-process runs under ``lightning.pytorch`` are in the ``extended`` tier (``bash scripts/test.sh --all``):
+#: tests/test_checkpoint_dist.py and tests/test_checkpoint_deepspeed.py run the same strategies and durable
+#: checkpoints, fit and resume, in 2 processes under that namespace in the default tier
+EXTENDED_FOR_LIGHTNING = pytest.mark.parametrize(
+    "ns", [pytest.param("lightning", marks=pytest.mark.extended), "pytorch_lightning"], indirect=True
+)
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+@EXTENDED_FOR_LIGHTNING
 def test_two_process_ddp_fit_and_resume(ns: Namespace, tmp_path: Path) -> None:
     out = run_script(MODEL.format(package=ns.package) + DDP, tmp_path, timeout=240).check()
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result-*.json"))]
@@ -408,6 +417,7 @@ with open(f"result-{trainer.global_rank}.json", "w") as f:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
+@EXTENDED_FOR_LIGHTNING
 def test_two_process_deepspeed_cpu_fit_and_resume(ns: Namespace, tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     out = run_script(MODEL.format(package=ns.package) + DEEPSPEED, tmp_path, timeout=300).check()
