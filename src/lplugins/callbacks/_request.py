@@ -29,7 +29,7 @@ def request_checkpoint(trainer: Trainer) -> None:
     Raises:
         CheckpointConfigError: (a ``ValueError``) ``trainer`` has no ``DurableCheckpoint`` callback.
     """
-    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, DurableCheckpoint)]
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, DurableCheckpoint)]  # type: ignore[attr-defined]
     if not callbacks:
         raise CheckpointConfigError(
             "request_checkpoint(trainer): the trainer has no DurableCheckpoint callback; add one."
