@@ -43,7 +43,8 @@ t1, cb1, s1 = fit(5, ckpt_path="latest")  # nothing to resume yet: a fresh start
 t2, cb2, s2 = fit(7, ckpt_path="latest")
 records = [(r.name, r.kind, r.global_step, len(r.files)) for r in open_storage("ckpts").find_committed()]
 with open(f"rank{t2.global_rank}.json", "w") as f:
-    json.dump({"starts": [s1.step, s2.step], "records": records, "entries": sorted(os.listdir("ckpts")),
+    entries = sorted(e for e in os.listdir("ckpts") if e != ".lplugins-claim.json")  # rank 0 may still hold it
+    json.dump({"starts": [s1.step, s2.step], "records": records, "entries": entries,
                "latest": latest_checkpoint("ckpts")}, f)
 """
 

@@ -456,15 +456,17 @@ class DurableCheckpoint(Checkpoint):
 
     def _close(self) -> None:
         """Stop the background threads (committing what was snapshotted) and restore the signal handlers."""
-        self._signals.restore()
-        self._complete_snapshot()
-        if self._writer is not None:
-            self._writer.close()
-        if self._ledger is not None:
-            self._ledger.close()
-        if self._claim is not None:
-            self._claim.release()
-            self._claim = None
+        try:
+            self._signals.restore()
+            self._complete_snapshot()
+            if self._writer is not None:
+                self._writer.close()
+            if self._ledger is not None:
+                self._ledger.close()
+        finally:  # a failed fit releases the directory too
+            if self._claim is not None:
+                self._claim.release()
+                self._claim = None
 
     # ---------------------------------------------------------------------------------- preemption
     def _preemption_exit(self, trainer: Trainer) -> None:
