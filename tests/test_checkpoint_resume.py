@@ -77,7 +77,7 @@ def test_last_without_a_durable_checkpoint_is_lightnings(tmp_path: Path) -> None
 
 # ------------------------------------------------------------------------------------------ "latest"
 def test_latest_skips_a_damaged_newer_checkpoint_and_says_why(tmp_path: Path) -> None:
-    from lplugins.callbacks._resume import newest_loadable
+    from lplugins.callbacks._latest import newest_loadable
     from lplugins.callbacks._storages import open_storage
 
     fit(durable_trainer(tmp_path, 4, keep_last=None), None)
