@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +34,27 @@ class Result:
     def check(self) -> Result:
         assert self.returncode == 0, f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
         return self
+
+    def json_objects(self) -> list[dict[str, Any]]:
+        """Every JSON object the ranks printed on stdout, in order.
+
+        Ranks share one stdout pipe and write unbuffered, so one rank's object can land on the same
+        line as another's (``{...}{...}``) before either newline; each object is decoded where it
+        starts, whatever precedes or follows it on the line.
+        """
+        decoder = json.JSONDecoder()
+        found: list[dict[str, Any]] = []
+        at = self.stdout.find("{")
+        while at != -1:
+            try:
+                value, end = decoder.raw_decode(self.stdout, at)
+            except json.JSONDecodeError:
+                at = self.stdout.find("{", at + 1)
+                continue
+            if isinstance(value, dict):
+                found.append(value)
+            at = self.stdout.find("{", end)
+        return found
 
 
 def run_script(

@@ -242,5 +242,5 @@ trainer.fit(Regression(), regression_loader(64, batch_size=4))
 print(json.dumps({"rank": trainer.global_rank, "step": trainer.global_step, "epoch": trainer.current_epoch}))
 """
     result = run_script(source, tmp_path, timeout=200, args=[where]).check()
-    ends = sorted(json.loads(line)["step"] for line in result.stdout.splitlines() if line.startswith("{"))
+    ends = sorted(o["step"] for o in result.json_objects())
     assert ends == ([3, 3] if where == "step" else [8, 8]), result.stdout  # 64 samples / 2 ranks / 4 per batch

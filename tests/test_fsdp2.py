@@ -153,5 +153,5 @@ print(json.dumps({"rank": trainer.global_rank, "val_loss": metrics[0]["val_loss"
 """
     )
     result = run_script(script, tmp_path, timeout=280).check()
-    seen = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    seen = result.json_objects()
     assert sorted(r["rank"] for r in seen) == [0, 1] and seen[0]["val_loss"] == seen[1]["val_loss"]
