@@ -29,7 +29,8 @@ from lplugins.strategies import _elastic
 from tests._dist import ROOT, free_port
 
 TRAIN = r"""
-import json, os, time
+import faulthandler, json, os, signal, time
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # the tests ask a stalled worker where it is
 if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
     time.sleep(float(os.environ.get("SLOW_RANK0", "0")))  # a slow node: its peers start first
 import lightning.pytorch as pl
@@ -151,6 +152,18 @@ def _kill_all(*procs: subprocess.Popen[bytes]) -> None:
             except ProcessLookupError:
                 pass
         proc.wait()
+
+
+def _stalled(tmp_path: Path, proc: subprocess.Popen[bytes], log: str, what: str) -> str:
+    """``what``, the stacks of ``proc``'s live workers (asked with SIGUSR2) and the end of its log."""
+    for pid in _descendants(proc.pid):
+        if _rank_of(pid) is not None:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+    time.sleep(2)
+    return f"{what}\n{(tmp_path / log).read_text(errors='replace')[-8000:]}"
 
 
 def _committed(ck: Path) -> list[int]:
@@ -390,7 +403,9 @@ def test_a_node_lost_then_one_joining_the_job_shrinks_and_grows(tmp_path: Path) 
         _kill_all(second)
         deadline = time.monotonic() + 90
         while not any(s["world"] == 1 for s in _steps(tmp_path)):  # the job goes on alone
-            assert first.poll() is None and time.monotonic() < deadline, "the job did not go on with one node"
+            assert first.poll() is None, (tmp_path / "first.log").read_text(errors="replace")[-8000:]
+            if time.monotonic() > deadline:
+                pytest.fail(_stalled(tmp_path, first, "first.log", "the job did not go on with one node"))
             time.sleep(0.1)
         third = _node(tmp_path, port, "third", host=False, env=env)
         first.wait(timeout=150)
