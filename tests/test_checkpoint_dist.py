@@ -244,3 +244,36 @@ print(json.dumps({"rank": trainer.global_rank, "step": trainer.global_step, "epo
     result = run_script(source, tmp_path, timeout=200, args=[where]).check()
     ends = sorted(o["step"] for o in result.json_objects())
     assert ends == ([3, 3] if where == "step" else [8, 8]), result.stdout  # 64 samples / 2 ranks / 4 per batch
+
+
+@pytest.mark.timeout(180)
+def test_ddp_continuous_saves_are_taken_by_every_rank_together_and_resume(tmp_path: Path) -> None:
+    """Only rank 0 writes, so only rank 0 knows when its write has committed: the ranks agree on each
+    continuous save in the step's collective (a rank that disagreed would wait in the save's gather)."""
+    source = (
+        COMMON
+        + r"""
+import time
+class Slow(pl.Callback):  # steps slower than a write of this model: most boundaries save
+    def on_train_batch_end(self, trainer, *args):
+        time.sleep(0.05)
+
+cb = DurableCheckpoint("ckpts", continuous=True, async_save=True, keep_last=2)
+t = trainer(cb, max_steps=12)
+t.callbacks.append(Slow())
+t.fit(M(), loader())
+first = len(cb.save_stalls)
+cb2 = DurableCheckpoint("ckpts", continuous=True, async_save=True, keep_last=2)
+t2 = trainer(cb2, max_steps=16)
+t2.fit(M(), loader(), ckpt_path="latest")
+print(json.dumps({"rank": t.global_rank, "saves": first, "resumed": os.path.basename(t2.ckpt_path or ""),
+                  "committed": [os.path.basename(p) for p in cb2.committed]}))
+"""
+    )
+    result = run_script(source, tmp_path).check()
+    by_rank = {o["rank"]: o for o in result.json_objects() if "saves" in o}
+    assert set(by_rank) == {0, 1}
+    assert by_rank[0]["saves"] == by_rank[1]["saves"] >= 3  # the same saves on both ranks
+    # 8 steps per epoch: step 12 is in epoch 1
+    assert by_rank[0]["resumed"] == by_rank[1]["resumed"] == "step=000000012-epoch=0001.ckpt"
+    assert by_rank[0]["committed"][-1] == "step=000000016-epoch=0001.ckpt" and len(by_rank[0]["committed"]) == 2

@@ -257,6 +257,9 @@ class AsyncWriter(CheckpointWriter):
     def failed(self) -> bool:
         return self._queue is not None and self._queue.failed
 
+    def busy(self) -> bool:
+        return self._queue is not None and self._queue.in_flight > 0
+
     def raise_failure(self) -> NoReturn:
         if self._queue is not None and self._queue.failed:
             queue, self._queue = self._queue, None

@@ -42,6 +42,7 @@ class CheckpointConfig:
     monitor: str | None = None
     mode: str = "min"
     async_save: bool = False
+    continuous: bool = False
     max_in_flight: int = 1
     preemption_signals: Sequence[str | int | signal.Signals] = field(default=("SIGTERM", "SIGUSR1"))
     preemption_exit_code: int | None = PREEMPTED_EXIT_CODE
@@ -58,6 +59,7 @@ class CheckpointConfig:
         for flag in (
             "save_on_train_end",
             "async_save",
+            "continuous",
             "slurm_requeue",
             "crc32",
             "auto_insert_metric_name",
@@ -90,6 +92,18 @@ class CheckpointConfig:
             raise CheckpointConfigError(
                 f"{_OWNER}: crc32=False writes no checksums, so verify='deep' cannot check them; use verify='quick'"
             )
+        if self.continuous and not self.async_save:
+            raise CheckpointConfigError(
+                f"{_OWNER}: continuous=True starts a save as soon as the previous one has committed, which only"
+                " an asynchronous save makes cheap; set async_save=True (a synchronous save every step stalls"
+                " every step), or use every_n_steps/every_n_seconds."
+            )
+        if self.continuous and self.keep_last is None:
+            raise CheckpointConfigError(
+                f"{_OWNER}: continuous=True with keep_last=None would keep a checkpoint of nearly every step and"
+                " fill the disk; set keep_last to how many of the newest to keep (at least 1: a checkpoint is"
+                " deleted only after a newer one has committed)."
+            )
         code = self.preemption_exit_code
         if code is not None and (not is_int(code) or not 0 <= code <= 255):
             raise CheckpointConfigError(
@@ -108,7 +122,12 @@ class CheckpointConfig:
     def automatic_triggers(self) -> bool:
         """Whether anything but ``request_checkpoint`` ever saves (an interval, train end or a preemption signal)."""
         intervals = (self.every_n_steps, self.every_n_seconds, self.every_n_epochs)
-        return self.save_on_train_end or bool(self.preemption_signals) or any(i is not None for i in intervals)
+        return (
+            self.continuous
+            or self.save_on_train_end
+            or bool(self.preemption_signals)
+            or any(i is not None for i in intervals)
+        )
 
     @property
     def retention(self) -> Retention:

@@ -70,6 +70,10 @@ class CheckpointWriter(ABC):
         """Whether a background write failed on this rank (not reported yet)."""
         return False
 
+    def busy(self) -> bool:
+        """Whether a save of this rank's is still being written (not committed yet); a synchronous writer never is."""
+        return False
+
     def raise_failure(self) -> NoReturn:
         """Raise the background failure some rank had (this rank's own error, if it was this rank)."""
         raise CheckpointWriteError("A background checkpoint write failed on rank 0 (see its error).")

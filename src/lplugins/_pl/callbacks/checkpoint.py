@@ -24,8 +24,9 @@ from lplugins._log import announce
 from lplugins._pl.callbacks import _rng
 from lplugins._pl.callbacks._async import AsyncWriter
 from lplugins.callbacks._claim import DirectoryClaim, claim_directory
-from lplugins.callbacks._collective import any_rank, broadcast, gather, reduce_max, writable_on_every_rank
+from lplugins.callbacks._collective import any_rank, broadcast, gather, writable_on_every_rank
 from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
+from lplugins.callbacks._errors import CheckpointConfigError
 from lplugins._pl.callbacks._position import DataPosition
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
@@ -33,6 +34,7 @@ from lplugins._pl.callbacks._resume import LatestResolver, understand_ckpt_path
 from lplugins.callbacks._retention import Ledger
 from lplugins.callbacks._storage import canonical_dirpath
 from lplugins.callbacks._storages import open_storage
+from lplugins._pl.callbacks._triggers import Due
 from lplugins._pl.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, writes_itself
 
 __all__ = ["DurableCheckpoint"]
@@ -67,6 +69,12 @@ class DurableCheckpoint(Checkpoint):
         async_save: Snapshot the state to CPU memory and write it on a background thread. The copies of
             the parameters and optimizer state (on CPU) are made while the next forward and backward
             run, and finished before the next optimizer step changes them (see ``docs/checkpoint.md``).
+        continuous: Save continuously: with ``async_save``, a new save starts at the first step boundary
+            after the previous one has committed (on the writing rank; every rank agrees in the step's
+            existing collective), so the newest checkpoint is never more than about one write behind.
+            Combines with the other triggers; needs ``async_save=True`` and a ``keep_last`` (see
+            ``docs/checkpoint.md``, "Continuous checkpointing"). A strategy that writes its own sharded
+            checkpoints (FSDP2, DeepSpeed) saves synchronously and is refused at ``fit``.
         max_in_flight: With ``async_save``, the most saves queued or being written; a save beyond it
             waits for the oldest to finish.
         preemption_signals: Signals that trigger one coordinated save and a clean exit (any rank may
@@ -110,7 +118,8 @@ class DurableCheckpoint(Checkpoint):
         CheckpointConfigError: (a ``ValueError``) an interval, ``keep_last``, ``keep_top``, ``max_in_flight``,
             ``mode``, ``monitor``, ``verify``, ``filename``, ``dirpath`` (empty or not a path), a bool argument
             that is not a real ``bool``, or a signal is invalid or cannot be caught (``SIGKILL``, ``SIGSTOP``);
-            the message names the argument.
+            ``continuous=True`` without ``async_save=True`` or with ``keep_last=None``; at ``fit``,
+            ``continuous=True`` with a strategy that writes its own checkpoints. The message names the argument.
 
     Examples:
         >>> from pytorch_lightning import Trainer
@@ -128,6 +137,7 @@ class DurableCheckpoint(Checkpoint):
     monitor = ConfigField[str | None]()
     mode = ConfigField[str]()
     async_save = ConfigField[bool]()
+    continuous = ConfigField[bool]()
     max_in_flight = ConfigField[int]()
     preemption_signals = ConfigField[tuple[int, ...]]()
     preemption_exit_code = ConfigField[int | None]()
@@ -151,6 +161,7 @@ class DurableCheckpoint(Checkpoint):
         monitor: str | None = None,
         mode: str = "min",
         async_save: bool = False,
+        continuous: bool = False,
         max_in_flight: int = 1,
         preemption_signals: Sequence[str | int | signal.Signals] = ("SIGTERM", "SIGUSR1"),
         preemption_exit_code: int | None = PREEMPTED_EXIT_CODE,
@@ -164,8 +175,9 @@ class DurableCheckpoint(Checkpoint):
         self.config = CheckpointConfig(
             every_n_steps=every_n_steps, every_n_seconds=every_n_seconds, every_n_epochs=every_n_epochs,
             save_on_train_end=save_on_train_end, keep_last=keep_last, keep_top=keep_top, monitor=monitor, mode=mode,
-            async_save=async_save, max_in_flight=max_in_flight, preemption_signals=preemption_signals,
-            preemption_exit_code=preemption_exit_code, slurm_requeue=slurm_requeue, verify=verify, crc32=crc32,
+            async_save=async_save, continuous=continuous, max_in_flight=max_in_flight,
+            preemption_signals=preemption_signals, preemption_exit_code=preemption_exit_code,
+            slurm_requeue=slurm_requeue, verify=verify, crc32=crc32,
             filename=filename, auto_insert_metric_name=auto_insert_metric_name, take_over=take_over,
         )  # fmt: skip
         self.dirpath = check_dirpath(dirpath)
@@ -228,6 +240,12 @@ class DurableCheckpoint(Checkpoint):
         )  # for the next fit/validate/test (a no-op if done in Trainer())
         if stage != "fit":
             return
+        if self.config.continuous and not writes_itself(trainer):  # before the directory is claimed
+            raise CheckpointConfigError(
+                f"DurableCheckpoint(continuous=True): {type(trainer.strategy).__name__} (or its checkpoint_io) writes"
+                " its own checkpoints, synchronously, so a save at every chance would stall every step. Use"
+                " every_n_steps or every_n_seconds with it, or a strategy whose checkpoint rank 0 writes (DDP)."
+            )
         writable_on_every_rank(trainer, storage)
         self._claim = claim_directory(trainer, storage, self.config.take_over)  # before touching the directory
         if trainer.is_global_zero:
@@ -246,6 +264,13 @@ class DurableCheckpoint(Checkpoint):
                     " checkpoints; saving synchronously."
                 )
             return StrategyWriter(ledger, self.config.crc32).describe(trainer)
+        if self.config.continuous:
+            announce(
+                "lplugins: DurableCheckpoint(%s) saves continuously: a new asynchronous save starts at the first step"
+                " boundary after the previous one has committed (keeping the newest %d).",
+                self.dirpath,
+                self.config.keep_last,
+            )
         if self.config.async_save:
             writer: CheckpointWriter = AsyncWriter(
                 ledger, self.config.crc32, self.config.max_in_flight, writes=trainer.is_global_zero
@@ -297,32 +322,23 @@ class DurableCheckpoint(Checkpoint):
         if step == self._boundary_step:
             return  # not an optimizer-step boundary (gradient accumulation)
         self._boundary_step, self._boundary_epoch = step, trainer.current_epoch
-        every_n_seconds = self.config.every_n_seconds
-        time_due = bool(
-            trainer.is_global_zero
-            and every_n_seconds is not None
-            and time.monotonic() - self._last_save_time >= every_n_seconds
+        writer = self._writer
+        mine = Due(
+            requested=self._requested,
+            preempt=self._signals.received is not None,
+            failed=writer is not None and writer.failed(),
+            stop=trainer.should_stop,
+            busy=self.config.continuous and writer is not None and writer.busy(),
         )
-        failed = self._writer is not None and self._writer.failed()
-        asked = [self._requested, self._signals.received is not None, failed, time_due, trainer.should_stop]
-        flags = reduce_max(trainer, [int(flag) for flag in asked])
-        requested, preempt, background_failed, time_due, stop = (bool(f) for f in flags)
-        trainer.should_stop = stop  # set on one rank (Lightning does not share it): all stop at this step
+        due = Due.agree(trainer, self.config, mine, self._last_save_time)
+        trainer.should_stop = due.stop  # set on one rank (Lightning does not share it): all stop at this step
         self._requested = False
-        if background_failed and self._writer is not None:
-            self._writer.raise_failure()
-        reasons = []
-        if self.config.every_n_steps is not None and step > 0 and step % self.config.every_n_steps == 0:
-            reasons.append("step")
-        if time_due:
-            reasons.append("time")
-        if requested:
-            reasons.append("request")
-        if preempt:
-            reasons.append("preemption")
+        if due.failed and writer is not None:
+            writer.raise_failure()
+        reasons = due.reasons(self.config, step)
         if reasons:
             self._save(trainer, "+".join(reasons))
-        if preempt:
+        if due.preempt:
             self._preemption_exit(trainer)
 
     @override
