@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import ROOT, run_script
+from tests._dist import ROOT, run_together
 from tests.test_accumulation import make_data, reference_sgd, sequential_windows
 
 pytest.importorskip("deepspeed")
@@ -84,7 +84,7 @@ with open(f"ds_{{trainer.global_rank}}.json", "w") as f:
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 def test_deepspeed_engine_follows_the_schedule_across_a_resume_and_config_conflict_is_refused(tmp_path: Path) -> None:
-    run_script(SCRIPT, tmp_path, timeout=400).check()
+    run_together(SCRIPT, tmp_path, timeout=400).check()
     factors = [2, 2, 4, 4, 4]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"ds_{rank}.json").read_text())

@@ -18,7 +18,7 @@ import pytest
 from lplugins.callbacks import CheckpointClaimError, CheckpointConfigError, DurableCheckpoint
 from lplugins.callbacks._claim import CLAIM, Claim, DirectoryClaim
 from lplugins.callbacks._storages import open_storage
-from tests._dist import ROOT, free_port, run_script
+from tests._dist import ROOT, free_port, run_script, run_together
 
 JOB = r"""
 import json, os, sys, time
@@ -103,7 +103,7 @@ def test_second_job_is_refused_before_training_naming_the_first_and_takes_over_o
         before = checkpoints(d)
         # a 2-rank job on the same directory: refused on both ranks, before any step, nothing touched
         (tmp_path / "b").mkdir()
-        second = run_script(JOB, tmp_path / "b", timeout=200, args=[str(d), "2", "4", "0", "-"])
+        second = run_together(JOB, tmp_path / "b", timeout=200, args=[str(d), "2", "4", "0", "-"])
         assert second.returncode == 3, second.stderr
         refusals = records(second.stdout)
         assert sorted(r["rank"] for r in refusals) == [0, 1] and all(r["step"] == 0 for r in refusals), refusals
@@ -141,7 +141,7 @@ def test_claim_of_a_killed_job_is_taken_over_automatically_and_said_once(tmp_pat
         first.communicate()
     assert Claim.parse((d / CLAIM).read_bytes()).pid == first.pid  # left behind by the kill
     (tmp_path / "b").mkdir()
-    second = run_script(JOB, tmp_path / "b", timeout=200, args=[str(d), "2", "4", "0", "-"]).check()
+    second = run_together(JOB, tmp_path / "b", timeout=200, args=[str(d), "2", "4", "0", "-"]).check()
     starts = [r for r in records(second.stdout) if "start" in r]
     assert sorted((r["rank"], r["start"]) for r in starts) == [(0, 1), (1, 1)]  # nothing committed was lost
     said = [line for line in second.stderr.splitlines() if "took over" in line]

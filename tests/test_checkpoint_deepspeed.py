@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import run_script
+from tests._dist import run_together
 
 pytest.importorskip("deepspeed")
 
@@ -52,7 +52,7 @@ with open(f"rank{t2.global_rank}.json", "w") as f:
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 def test_deepspeed_directory_checkpoints_commit_and_resume(tmp_path: Path) -> None:
-    run_script(SCRIPT, tmp_path, timeout=400).check()
+    run_together(SCRIPT, tmp_path, timeout=400).check()
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["starts"] == [0, 5]  # the second run resumed at the end-of-fit checkpoint of the first
@@ -86,7 +86,7 @@ with open(f"rank{trainer.global_rank}.json", "w") as f:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_deepspeed_with_accumulation_never_saves_a_step_0_directory(tmp_path: Path) -> None:
-    run_script(ACCUMULATION_SCRIPT, tmp_path, timeout=280).check()
+    run_together(ACCUMULATION_SCRIPT, tmp_path, timeout=280).check()
     for rank in (0, 1):
         # 8 micro-batches per rank, 2 per step: steps 1..4; saves at 2 and 4, none mid-window at step 0
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [[2, 0, "dir"], [4, 0, "dir"]]

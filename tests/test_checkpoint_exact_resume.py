@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from lplugins import _lightning
 from lplugins.callbacks import DurableCheckpoint
 from lplugins.callbacks._position import PositionedSampler
-from tests._dist import run_script
+from tests._dist import run_together
 from tests.models import Regression
 
 QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -248,7 +248,7 @@ with open(f"{root}/weights.{trainer.global_rank}.json", "w") as f:
 def test_ddp_with_the_distributed_sampler_resumes_bit_for_bit(tmp_path: Path, workers: int) -> None:
     def job(root: Path, max_steps: int, every: int = 0) -> list[float]:
         root.mkdir(exist_ok=True)
-        run_script(DDP_JOB, tmp_path, timeout=240, args=[str(root), str(max_steps), str(workers), str(every)]).check()
+        run_together(DDP_JOB, tmp_path, timeout=240, args=[str(root), str(max_steps), str(workers), str(every)]).check()
         per_rank = [json.loads((root / f"weights.{r}.json").read_text()) for r in (0, 1)]
         assert per_rank[0] == per_rank[1]
         return per_rank[0]

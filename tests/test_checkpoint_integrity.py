@@ -31,7 +31,7 @@ from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._stream import StreamWriter
 from lplugins.callbacks._verify import bytes_problem
 from lplugins.callbacks._writer import tree_crc32s
-from tests._dist import run_script
+from tests._dist import run_together
 from tests.models import Regression, regression_loader
 
 QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -383,13 +383,13 @@ with open(f"out.{phase}.{t.global_rank}.json", "w") as f:
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_ddp_ranks_agree_to_skip_damaged_and_disallowed_and_resume_the_same_older_one(tmp_path: Path) -> None:
-    run_script(DDP_JOB, tmp_path, timeout=150, args=["train"]).check()  # steps 2, 4
-    run_script(DDP_JOB, tmp_path, timeout=150, args=["plant"]).check()  # resumes at 4, saves 6 (with a Fraction)
+    run_together(DDP_JOB, tmp_path, timeout=150, args=["train"]).check()  # steps 2, 4
+    run_together(DDP_JOB, tmp_path, timeout=150, args=["plant"]).check()  # resumes at 4, saves 6 (with a Fraction)
     ckpts = tmp_path / "ckpts"
     step6 = "step=000000006-epoch=0000.ckpt"
     assert (ckpts / step6).exists()
     damage(ckpts / STEP4, "tensor")  # and the one before it is damaged
-    run_script(DDP_JOB, tmp_path, timeout=150, args=["resume"]).check()
+    run_together(DDP_JOB, tmp_path, timeout=150, args=["resume"]).check()
     out = [json.loads((tmp_path / f"out.resume.{rank}.json").read_text()) for rank in (0, 1)]
     # step 6 fails on rank 1 only (disallowed there), step 4 is damaged: both ranks resume from step 2
     assert [o["ckpt_path"] for o in out] == [str(Path("ckpts") / STEP2)] * 2
@@ -431,7 +431,7 @@ with open(f"ds.{max_steps}.{trainer.global_rank}.json", "w") as f:
 @pytest.mark.timeout(420)
 def test_deepspeed_directory_checkpoints_carry_per_file_crcs_and_a_damaged_one_is_skipped(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
-    run_script(DEEPSPEED_JOB, tmp_path, timeout=200, args=["4"]).check()
+    run_together(DEEPSPEED_JOB, tmp_path, timeout=200, args=["4"]).check()
     first = json.loads((tmp_path / "ds.4.0.json").read_text())
     kind, files, crcs, world, strategy = first["records"][STEP4]
     assert kind == "dir" and files == crcs and len(files) >= 2 and world == 2 and "DeepSpeed" in strategy
@@ -439,7 +439,7 @@ def test_deepspeed_directory_checkpoints_carry_per_file_crcs_and_a_damaged_one_i
     biggest = max((p for p in (tmp_path / "ckpts" / STEP4).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     middle = biggest.stat().st_size // 2
     flip(biggest, [middle, middle + 1, middle + 2, middle + 3])
-    run_script(DEEPSPEED_JOB, tmp_path, timeout=200, args=["5", "latest"]).check()
+    run_together(DEEPSPEED_JOB, tmp_path, timeout=200, args=["5", "latest"]).check()
     for rank in (0, 1):
         out = json.loads((tmp_path / f"ds.5.{rank}.json").read_text())
         assert out["start"] == 2 and out["ckpt_path"] == str(Path("ckpts") / STEP2)

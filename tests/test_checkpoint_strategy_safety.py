@@ -17,7 +17,7 @@ import torch
 
 from lplugins import _lightning
 from lplugins.callbacks import UnsafeCheckpointError
-from tests._dist import run_script
+from tests._dist import run_together
 
 COMMON = r"""
 import functools, glob, json, os, pickle, shutil, sys, time, warnings
@@ -181,7 +181,7 @@ def _check_common(res: dict, rank: int, planted_file: str, refused_type: str) ->
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.extended), 3])
 def test_deepspeed_resume_is_weights_only(tmp_path: Path, stage: int) -> None:
     pytest.importorskip("deepspeed")
-    run_script(DEEPSPEED, tmp_path, timeout=560, args=[f"deepspeed_stage_{stage}_cpu"]).check()
+    run_together(DEEPSPEED, tmp_path, timeout=560, args=[f"deepspeed_stage_{stage}_cpu"]).check()
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         _check_common(res, rank, res["planted"].split("/")[-1], "builtins.exec")
@@ -221,7 +221,7 @@ with open(f"rank{t.global_rank}.json", "w") as f:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["fsdp2_full", "fsdp2_sharded"])
 def test_fsdp2_resume_is_weights_only(tmp_path: Path, kind: str) -> None:
-    run_script(FSDP2, tmp_path, timeout=560, args=[kind]).check()
+    run_together(FSDP2, tmp_path, timeout=560, args=[kind]).check()
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         expected_type = "builtins.exec"
@@ -256,7 +256,7 @@ with open(f"rank{t.global_rank}.json", "w") as f:
 @pytest.mark.timeout(300)
 def test_omegaconf_hyper_parameters_resume_with_weights_only_false(tmp_path: Path) -> None:
     pytest.importorskip("omegaconf")
-    run_script(OMEGACONF, tmp_path, timeout=280, args=["fsdp2_full"]).check()
+    run_together(OMEGACONF, tmp_path, timeout=280, args=["fsdp2_full"]).check()
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["refused"] is not None and "omegaconf" in res["refused"]

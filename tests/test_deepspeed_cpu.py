@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import run_script
+from tests._dist import run_together
 
 pytest.importorskip("deepspeed")
 
@@ -104,7 +104,7 @@ torch.distributed.barrier()  # rank 0 must not exit (and end the job) before ran
 @pytest.mark.parametrize(("name", "stage"), [("deepspeed_stage_2_cpu", 2), ("deepspeed_stage_3_cpu", 3)])
 def test_zero_on_two_cpu_processes(tmp_path: Path, name: str, stage: int) -> None:
     # the first run in a fresh environment JIT-builds DeepSpeed's small CPU op with ninja (about a minute)
-    run_script(SCRIPT, tmp_path, timeout=400, args=[name, str(tmp_path)]).check()
+    run_together(SCRIPT, tmp_path, timeout=400, args=[name, str(tmp_path)]).check()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for res in ranks:
         assert res["world_size"] == 2
@@ -190,7 +190,7 @@ torch.distributed.barrier()
 def test_accumulation_divides_the_loss_once(tmp_path: Path) -> None:
     # Lightning's DeepSpeed integration divides by k twice (Lightning, then engine.backward): each micro-batch
     # adds 1/k**2 of its gradient, a window 1/k of the right one
-    run_script(ACCUMULATION_SCRIPT, tmp_path, timeout=280, args=[str(tmp_path)]).check()
+    run_together(ACCUMULATION_SCRIPT, tmp_path, timeout=280, args=[str(tmp_path)]).check()
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for label, k in (("trainer_k2", 2), ("engine_k4", 4)):

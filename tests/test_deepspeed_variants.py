@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import run_script
+from tests._dist import run_together
 from tests.test_deepspeed_config import SEED_CONFIG
 
 pytest.importorskip("deepspeed")
@@ -83,7 +83,7 @@ torch.distributed.barrier()  # rank 0 must not exit (and end the job) before ran
 def test_stage_1_offload_variants_and_seed_json(tmp_path: Path) -> None:
     seed = tmp_path / "deepspeed_config.json"
     seed.write_text(json.dumps(SEED_CONFIG))
-    run_script(SCRIPT, tmp_path, timeout=380, args=[str(tmp_path), str(seed)]).check()
+    run_together(SCRIPT, tmp_path, timeout=380, args=[str(tmp_path), str(seed)]).check()
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         expected = {

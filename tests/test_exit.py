@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from lplugins._coord import exit as _exit
-from tests._dist import free_port, run_script
+from tests._dist import free_port, run_together
 
 
 def test_destroys_an_initialized_gloo_group_and_nothing_else(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ trainer.fit(M(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
 assert torch.distributed.is_initialized()  # Lightning leaves it initialized
 trainer.strategy.barrier()
 """
-    run_script(script, tmp_path, timeout=150).check()
+    run_together(script, tmp_path, timeout=150).check()
     deadline = time.monotonic() + 60  # rank 1 is Lightning's child process: it may finish after rank 0
     while not (tmp_path / "exit1.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -10,7 +10,7 @@ import pytest
 import lplugins
 from lplugins import LPluginsError
 from lplugins.strategies import FSDP2Strategy
-from tests._dist import run_script
+from tests._dist import run_together
 
 COMMON = r"""
 import json, sys, torch, lightning.pytorch as pl
@@ -93,7 +93,7 @@ with open(f"out{trainer.global_rank}.json", "w") as f:
 trainer.strategy.barrier()
 """
     )
-    run_script(script, tmp_path, timeout=240).check()
+    run_together(script, tmp_path, timeout=240).check()
     out = [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in (0, 1)]
     total = 8 * 32 + 32 + 32 * 32 + 32 + 32 + 1
     for rank_out in out:
@@ -127,7 +127,7 @@ with open(f"out{{trainer.global_rank}}.json", "w") as f:
 trainer.strategy.barrier()
 """
     )
-    run_script(script, tmp_path, timeout=280).check()
+    run_together(script, tmp_path, timeout=280).check()
     for rank in (0, 1):
         out = json.loads((tmp_path / f"out{rank}.json").read_text())
         assert out["resumed_from"].endswith("step=000000004-epoch=0000.ckpt")
@@ -152,6 +152,6 @@ metrics = trainer.validate(model, data())
 print(json.dumps({"rank": trainer.global_rank, "val_loss": metrics[0]["val_loss"]}))
 """
     )
-    result = run_script(script, tmp_path, timeout=280).check()
+    result = run_together(script, tmp_path, timeout=280).check()
     seen = result.json_objects()
     assert sorted(r["rank"] for r in seen) == [0, 1] and seen[0]["val_loss"] == seen[1]["val_loss"]

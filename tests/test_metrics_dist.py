@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import run_script
+from tests._dist import run_together
 
 pytestmark = pytest.mark.distributed
 
@@ -120,7 +120,7 @@ def _reference(fed: list[dict[str, list[tuple[torch.Tensor, torch.Tensor]]]], st
 
 @pytest.mark.timeout(240)
 def test_two_rank_metrics_equal_single_process_reference_and_log_once(tmp_path: Path) -> None:
-    res = run_script(JOB, tmp_path, timeout=200).check()
+    res = run_together(JOB, tmp_path, timeout=200).check()
 
     # ---- what each rank fed its metrics: the uneven split, ragged last batches
     fed = [torch.load(tmp_path / f"fed_rank{r}.pt") for r in (0, 1)]
