@@ -298,7 +298,7 @@ def main() -> int:
         shutil.rmtree(os.path.join(args.workdir, f"ckpts.{strategy}"), ignore_errors=True)
     tally: dict[str, Any] = {
         "kills_asked": args.kills, "kills": 0, "kills_landed": 0, "resumes_checked": 0, "resumes_at_newest": 0,
-        "resume_failures": 0, "partial_visible": 0, "hangs": 0, "survivor_exits": 0,
+        "resume_failures": 0, "partial_visible": 0, "hangs": 0, "survivor_exits": 0, "ended_clean_before_the_kill": 0,
     }  # fmt: skip
     per_moment = {m: {"kills": 0, "landed": 0} for m in moments}
     per_strategy = dict.fromkeys(strategies, 0)
@@ -367,7 +367,9 @@ def main() -> int:
                 tally["resume_failures"] += 1
                 print(f"trial {trial} ({strategy}): resumed at {start}, newest committed {expected[strategy]}",
                       file=sys.stderr)  # fmt: skip
-        if codes:
+        if codes and all(code == 0 for code in codes.values()):  # the run finished cleanly before the moment came
+            tally["ended_clean_before_the_kill"] += 1
+        elif codes:
             print(f"trial {trial} ({strategy}, {moment}): a rank ended before the kill: {codes} (see {log})",
                   file=sys.stderr)  # fmt: skip
             tally["resume_failures"] += 1
