@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,11 @@ class Releaser(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         held = self.held
+        writer = next(c for c in trainer.callbacks if isinstance(c, DurableCheckpoint))._writer
+        deadline = time.monotonic() + 60
+        while writer is not None and writer.busy() and not held.in_flight:  # queued: let its write begin
+            assert time.monotonic() < deadline, "the queued write never began"
+            time.sleep(0.001)
         if held.in_flight and trainer.global_step == held.started[-1] + held.hold:
             held.committed.clear()
             held.release.set()
