@@ -362,6 +362,7 @@ def _node(tmp_path: Path, port: int, name: str, *, host: bool, env: dict[str, st
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # covered by test_a_node_lost_then_one_joining_the_job_shrinks_and_grows (its first half)
 @pytest.mark.timeout(150)
 def test_lost_node_the_job_continues_on_the_other(tmp_path: Path) -> None:
     """Two torchrun agents as two nodes (``--nnodes=1:2``); one is killed with its worker."""
