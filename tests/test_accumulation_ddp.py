@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import ROOT, run_script
+from tests._dist import ROOT, run_script, run_together
 from tests.test_accumulation import make_data, reference_sgd, sequential_windows
 
 pytestmark = [pytest.mark.distributed]
@@ -77,7 +77,7 @@ with open(f"result_{trainer.global_rank}.json", "w") as f:
 
 @pytest.mark.timeout(240)
 def test_ddp_accumulation_equals_big_batch_and_skips_sync_inside_windows(tmp_path: Path) -> None:
-    run_script(DDP_EQUIVALENCE, tmp_path, timeout=220).check()
+    run_together(DDP_EQUIVALENCE, tmp_path, timeout=220).check()
     results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1)]
     # 16 samples per rank per epoch, micro-batch 2 -> 8 micro-batches; 2 per step for 2 steps, then 4
     factors = [2, 2, 4, 4, 4]

@@ -184,3 +184,25 @@ def test_claims_from_another_host_are_judged_by_their_heartbeat(tmp_path: Path) 
             raise CheckpointClaimError(refusal)
     finally:
         other.release()
+
+
+@pytest.mark.parametrize("taker_ended", [True, False])
+def test_a_job_taken_over_between_two_heartbeats_says_so_once_at_its_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, taker_ended: bool
+) -> None:
+    storage = open_storage(str(tmp_path))
+    storage.makedirs()
+    first = DirectoryClaim(storage, take_over=False, heartbeat=3600)  # no heartbeat in this test
+    assert first.acquire() is None
+    taker = DirectoryClaim(storage, take_over=True, heartbeat=3600)
+    assert taker.acquire() is None
+    if taker_ended:
+        taker.release()  # the claim file is gone again before the first job looks
+    with caplog.at_level("WARNING", logger="lplugins"):
+        first.release()
+        first.release()
+    said = [r.getMessage() for r in caplog.records if "took checkpoint directory" in r.getMessage()]
+    assert len(said) == 1 and ("since ended" in said[0]) == taker_ended, said
+    assert (tmp_path / CLAIM).exists() != taker_ended  # the taker's claim is not removed by the first job
+    if not taker_ended:
+        taker.release()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import ROOT, run_script
+from tests._dist import ROOT, run_script, run_together
 
 pytestmark = pytest.mark.distributed
 
@@ -73,7 +73,7 @@ RANK_LOG[:] = renames
 dump(t, committed=committed, disagreement=disagreement)
 """
     )
-    run_script(source, tmp_path).check()
+    run_together(source, tmp_path).check()
     rank0 = json.loads((tmp_path / "renames.0.json").read_text())
     rank1 = json.loads((tmp_path / "renames.1.json").read_text())
     # requests at batch_idx 0, 3, 6 (steps 1, 4, 7), every_n_steps=4 (4, 8), end of fit (8, saved already)
@@ -107,7 +107,7 @@ finally:
     dump(t, preempted=cb.preempted, step=t.global_step, handler=str(signal.getsignal(signal.SIGTERM)))
 """
     )
-    result = run_script(source, tmp_path)
+    result = run_together(source, tmp_path)
     assert result.returncode == 75, result.stderr[-3000:]
     for rank in (0, 1):
         state = json.loads((tmp_path / f"renames.{rank}.json").read_text())
@@ -146,7 +146,7 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM
 dump(t, outcome=outcome, latest=latest_checkpoint("ckpts"), left=sorted(os.listdir("ckpts")))
 """
     )
-    run_script(source, tmp_path).check()
+    run_together(source, tmp_path).check()
     rank0 = json.loads((tmp_path / "renames.0.json").read_text())
     rank1 = json.loads((tmp_path / "renames.1.json").read_text())
     # the operating system's words and the path first (EFBIG here; ENOSPC the same way)
@@ -206,7 +206,7 @@ _, rest = fit("cut", 3, ckpt_path="latest")
 with open(f"losses.{t.global_rank}.json", "w") as f:
     json.dump({"full": full, "resumed": first + rest}, f)
 """
-    run_script(source, tmp_path).check()
+    run_together(source, tmp_path).check()
     ranks = [json.loads((tmp_path / f"losses.{r}.json").read_text()) for r in (0, 1)]
     for res in ranks:
         assert len(res["full"]) == 12
@@ -241,7 +241,7 @@ trainer = pl.Trainer(
 trainer.fit(Regression(), regression_loader(64, batch_size=4))
 print(json.dumps({"rank": trainer.global_rank, "step": trainer.global_step, "epoch": trainer.current_epoch}))
 """
-    result = run_script(source, tmp_path, timeout=200, args=[where]).check()
+    result = run_together(source, tmp_path, timeout=200, args=[where]).check()
     ends = sorted(o["step"] for o in result.json_objects())
     assert ends == ([3, 3] if where == "step" else [8, 8]), result.stdout  # 64 samples / 2 ranks / 4 per batch
 
@@ -270,7 +270,7 @@ print(json.dumps({"rank": t.global_rank, "saves": first, "resumed": os.path.base
                   "committed": [os.path.basename(p) for p in cb2.committed]}))
 """
     )
-    result = run_script(source, tmp_path).check()
+    result = run_together(source, tmp_path).check()
     by_rank = {o["rank"]: o for o in result.json_objects() if "saves" in o}
     assert set(by_rank) == {0, 1}
     assert by_rank[0]["saves"] == by_rank[1]["saves"] >= 3  # the same saves on both ranks

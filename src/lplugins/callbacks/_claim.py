@@ -114,6 +114,7 @@ class DirectoryClaim:
         self.interval = heartbeat
         self.claim = Claim.mine()
         self.lost: Claim | None = None  # the claim that replaced ours while we ran
+        self.taken_over = False  # another job took the directory over while we ran (said once)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -222,12 +223,7 @@ class DirectoryClaim:
                     return
                 now, problem = self._read()
                 if problem is None and (now is None or now.token != self.claim.token):
-                    self.lost = now  # replaced, or removed by a job that took it over and ended: never rewritten
-                    log.warning(
-                        "lplugins: DurableCheckpoint: another job (%s) took checkpoint directory %s over from this"
-                        " one; this job no longer holds it.",
-                        now.describe() if now is not None else "since ended", self.storage.dirpath,
-                    )  # fmt: skip
+                    self._lost(now)  # replaced, or removed by a job that took it over and ended: never rewritten
                     return
                 try:
                     self._write()
@@ -243,9 +239,20 @@ class DirectoryClaim:
             self._thread.join()
             self._thread = None
         with self._lock:
-            now, _ = self._read()
+            now, problem = self._read()
             if now is not None and now.token == self.claim.token:
                 self.storage.remove(CLAIM)
+            elif problem is None and not self.taken_over:  # taken over (and maybe ended) between two beats
+                self._lost(now)
+
+    def _lost(self, now: Claim | None) -> None:
+        """Say, once, that another job took the directory over (``now``: its claim, None once it has ended)."""
+        self.lost, self.taken_over = now, True
+        log.warning(
+            "lplugins: DurableCheckpoint: another job (%s) took checkpoint directory %s over from this"
+            " one; this job no longer holds it.",
+            now.describe() if now is not None else "since ended", self.storage.dirpath,
+        )  # fmt: skip
 
 
 def claim_directory(trainer: Trainer, storage: Storage, take_over: bool) -> DirectoryClaim | None:
