@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lplugins.callbacks import DurableCheckpoint
+from lplugins.callbacks._crc import CRC32_IMPLEMENTATION
 from lplugins.callbacks._resume import LatestResolver, load_weights_only
 from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._verify import hash_threads
@@ -66,6 +67,7 @@ def resume_times(trainer: Trainer, dirpath: str, reps: int) -> dict[str, float]:
         "verified": lambda: io.load_checkpoint("latest"),
         "unverified": lambda: load_weights_only(inner, path),
         "deep": lambda: deep.load("latest", lambda p: load_weights_only(inner, p)),
+        "dd_read": lambda: dd_read_seconds(path),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
     quiet = logging.getLogger("lplugins")
@@ -77,8 +79,8 @@ def resume_times(trainer: Trainer, dirpath: str, reps: int) -> dict[str, float]:
         for rep in range(reps):
             for name in order if rep % 2 == 0 else order[::-1]:
                 start = time.perf_counter()
-                runs[name]()
-                times[name].append(time.perf_counter() - start)
+                own = runs[name]()
+                times[name].append(own if name == "dd_read" else time.perf_counter() - start)
     finally:
         quiet.setLevel(level)
     return {**{k: statistics.median(v) for k, v in times.items()}, **{f"{k}_min": min(v) for k, v in times.items()}}
@@ -189,6 +191,13 @@ def dd_bandwidth(directory: str, nbytes: int) -> float:
     return count * (1 << 20) / elapsed
 
 
+def dd_read_seconds(path: str) -> float:
+    """Seconds ``dd if=path of=/dev/null bs=8M`` took, as dd reports it."""
+    done = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"], check=True, capture_output=True, text=True)
+    # "... bytes (...) copied, 0.0228 s, 5.5 GB/s" (GNU coreutils)
+    return float(done.stderr.strip().splitlines()[-1].split(", ")[-2].split()[0])
+
+
 def resume_figures(resume: dict[str, float], dir_write_s: float, dir_crc_s: float) -> dict[str, float]:
     """The resume and directory-CRC figures (the medians, and the ratio of the fastest runs)."""
     return {
@@ -198,6 +207,8 @@ def resume_figures(resume: dict[str, float], dir_write_s: float, dir_crc_s: floa
         "resume_fastest_verified_vs_unverified_ratio": round(resume["verified_min"] / resume["unverified_min"], 3),
         "resume_deep_s": round(resume["deep"], 4),
         "resume_deep_vs_unverified_ratio": round(resume["deep"] / resume["unverified"], 3),
+        "dd_read_s": round(resume["dd_read"], 4),
+        "resume_verified_vs_dd_read_bandwidth_ratio": round(resume["dd_read"] / resume["verified"], 3),
         "dir_write_s": round(dir_write_s, 4),
         "dir_crc_at_commit_s": round(dir_crc_s, 4),
         "dir_crc_vs_write_ratio": round(dir_crc_s / dir_write_s, 3),
@@ -220,6 +231,10 @@ def print_resume(result: dict[str, Any]) -> None:
         f" (goal <= 1.1; fastest runs {result['resume_fastest_verified_vs_unverified_ratio']}x);"
         f" verify='deep' (before loading) {result['resume_deep_s']:.3f}s"
         f" -> {result['resume_deep_vs_unverified_ratio']}x"
+    )
+    print(
+        f"  verified load bandwidth / dd read bandwidth of the same file (same cache state):"
+        f" {result['resume_verified_vs_dd_read_bandwidth_ratio']}x (goal >= 0.8; dd {result['dd_read_s']:.3f}s)"
     )
     if "resume_fit_verified_s" in result:
         print(
@@ -250,6 +265,7 @@ def resume_only(root: str, width: int, depth: int, reps: int) -> None:
         **resume_figures(resume, write_s, crc_s),
         **fit_figures(fits),
         "hash_threads": hash_threads(),
+        "crc32_implementation": CRC32_IMPLEMENTATION,
         "reps": reps,
     }
     print(f"checkpoint {result['checkpoint_mb']} MB, median of {reps} loads:")
@@ -424,6 +440,7 @@ def main() -> None:
         **resume_figures(resume, dir_write_s, dir_crc_s),
         **fit_figures(fits),
         "hash_threads": hash_threads(),
+        "crc32_implementation": CRC32_IMPLEMENTATION,
         "reps": args.reps,
         "save_reps": args.save_reps,
     }

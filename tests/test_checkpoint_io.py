@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import logging
@@ -20,7 +21,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lplugins.callbacks import DurableCheckpoint, _async, latest_checkpoint
 from lplugins.callbacks._async import DeferredCopy, snapshot
-from lplugins.callbacks._crc import crc32_combine
+from lplugins.callbacks._crc import CRC32_IMPLEMENTATION, crc32, crc32_combine
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record
 from lplugins.callbacks._serialization import cpu_storages, torch_save
 from lplugins.callbacks._storage import Storage
@@ -37,6 +38,16 @@ def test_crc32_combine_matches_zlib_on_random_splits() -> None:
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
     big = rng.randbytes(5 << 20)
     assert crc32_combine(zlib.crc32(b"head"), zlib.crc32(big), len(big)) == zlib.crc32(b"head" + big)
+
+
+def test_checkpoint_crc32_is_isal_and_equals_zlib_on_every_buffer_kind_the_writer_hashes() -> None:
+    """Markers written with ISA-L's CRC32 must verify with zlib's (and the other way round)."""
+    assert CRC32_IMPLEMENTATION == "isal"  # the dependency is installed: the fast path is the one tested
+    rng = random.Random(1)
+    data = bytearray(rng.randbytes(3 << 20))
+    for piece in (b"", bytes(data[:1]), memoryview(data)[5:], (ctypes.c_char * len(data)).from_buffer(data)):
+        assert crc32(piece) == zlib.crc32(piece)
+        assert crc32(piece, 0xDEADBEEF) == zlib.crc32(piece, 0xDEADBEEF)
 
 
 def big_state() -> dict[str, Any]:

@@ -23,12 +23,13 @@ import os
 import posixpath
 import re
 import uuid
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from lplugins._lightning.converted import CONVERTED_SUFFIX
+from lplugins.callbacks._crc import crc32
 from lplugins.callbacks._record import COMMIT_SUFFIX, NAME_RE, QUARANTINE, TMP_PREFIX, Record, order
 from lplugins.callbacks._stream import StreamWriter
 
@@ -276,7 +277,7 @@ class Storage(ABC):
         crc = 0
         with self.open_read(name) as f:
             while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
         return crc
 
     def probe_writable(self) -> None:
@@ -309,6 +310,7 @@ class Storage(ABC):
         """
         self.remove(name + COMMIT_SUFFIX)
         self.remove(name)
+        self.remove(name + CONVERTED_SUFFIX)  # its conversions (another world size, another strategy) go with it
         self.fsync_dir()
 
     def check(self, record: Record, deep: bool = False) -> str | None:
@@ -442,7 +444,10 @@ class Storage(ABC):
             where = self.quarantine(name, f"{problem}\nfound when cleaning up the directory at the start of fit")
             done.quarantined.append((name, str(problem), where))
         for entry in entries:
-            if entry.startswith(TMP_PREFIX) or (names.match(entry) and entry not in committed):
+            if entry.endswith(CONVERTED_SUFFIX) and entry[: -len(CONVERTED_SUFFIX)] not in committed:
+                self.remove(entry)  # the conversions of a checkpoint that is gone
+                done.uncommitted.append(entry)
+            elif entry.startswith(TMP_PREFIX) or (names.match(entry) and entry not in committed):
                 self.remove(entry)
                 done.uncommitted.append(entry)
         if done.uncommitted or done.orphans:

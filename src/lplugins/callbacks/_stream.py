@@ -13,11 +13,10 @@ import ctypes
 import os
 import sys
 import threading
-import zlib
 from types import TracebackType
 from typing import IO, Any
 
-from lplugins.callbacks._crc import crc32_combine
+from lplugins.callbacks._crc import crc32, crc32_combine
 
 __all__ = ["WRITEBACK_BYTES", "StreamWriter"]
 
@@ -92,7 +91,7 @@ class StreamWriter:
     def _hash(self) -> None:
         try:
             for address, size in self._stable.items():
-                self._crcs[address] = zlib.crc32((ctypes.c_char * size).from_address(address))
+                self._crcs[address] = crc32((ctypes.c_char * size).from_address(address))
         except BaseException as err:  # kept for finish()
             self._error = err
 
@@ -107,7 +106,7 @@ class StreamWriter:
                 self._pieces.append((0, size, address))
                 self._run_crc, self._run_len = 0, 0
             else:
-                self._run_crc = zlib.crc32(view, self._run_crc)
+                self._run_crc = crc32(view, self._run_crc)
                 self._run_len += size
         if isinstance(self._target, int):
             done = 0

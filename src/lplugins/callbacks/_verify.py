@@ -4,9 +4,9 @@ A file checkpoint is checked against the marker's whole-file CRC32 (``Record.crc
 one: the archive's per-record CRC32s, when they were written); a directory checkpoint against the
 per-file CRC32s (``Record.crcs``), its files shared out among the ranks (each rank hashes every
 ``world``-th file). :class:`Overlapped` runs the check on a second thread while the caller loads the
-same bytes: the read and ``zlib.crc32`` release the GIL, so the check costs a second core, not time
-(a local file is memory-mapped and hashed without taking the GIL back in between, split among up to 4
-hashing threads when the cores are there).
+same bytes: the read and the CRC32 (:func:`~lplugins.callbacks._crc.crc32`, ISA-L's where installed)
+release the GIL, so the check costs a second core, not time (a local file is memory-mapped and hashed
+without taking the GIL back in between, split among up to 4 hashing threads when the cores are there).
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import mmap
 import os
 import threading
 import zipfile
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
-from lplugins.callbacks._crc import crc32_combine
+from lplugins.callbacks._crc import crc32, crc32_combine
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._storage import Storage
 
@@ -48,11 +47,11 @@ def hash_threads() -> int:
 def crc32_of(storage: Storage, name: str, threads: int | None = None) -> int:
     """The CRC32 of every byte of file ``name``.
 
-    A local file is memory-mapped and hashed by ``zlib.crc32`` in as few calls as possible: each call
-    releases the GIL for its whole range, so a load running on another thread is not held up (reading in
-    pieces would take the GIL back after every piece), and no copy is made. A large one is split into
-    ``threads`` ranges (default: :func:`hash_threads`) hashed in parallel and joined with
-    :func:`crc32_combine`. Other storage is read in 8 MiB pieces.
+    A local file is memory-mapped and hashed by :func:`~lplugins.callbacks._crc.crc32` in as few calls
+    as possible: each call releases the GIL for its whole range, so a load running on another thread is
+    not held up (reading in pieces would take the GIL back after every piece), and no copy is made. A
+    large one is split into ``threads`` ranges (default: :func:`hash_threads`) hashed in parallel and
+    joined with :func:`crc32_combine`. Other storage is read in 8 MiB pieces.
     """
     if not storage.parallel_reads:
         return _range_crc32(storage, name, 0, None)
@@ -65,11 +64,11 @@ def crc32_of(storage: Storage, name: str, threads: int | None = None) -> int:
             view = memoryview(mapped)
             try:
                 if threads <= 1 or size < 4 * _CHUNK:
-                    return zlib.crc32(view)
+                    return crc32(view)
                 step = -(-size // threads // _CHUNK) * _CHUNK  # ranges in whole pieces
                 ranges = [(start, min(step, size - start)) for start in range(0, size, step)]
                 with ThreadPoolExecutor(len(ranges), thread_name_prefix="lplugins-checkpoint-verify") as pool:
-                    crcs = list(pool.map(lambda r: zlib.crc32(view[r[0] : r[0] + r[1]]), ranges))
+                    crcs = list(pool.map(lambda r: crc32(view[r[0] : r[0] + r[1]]), ranges))
             finally:
                 view.release()
     crc = crcs[0]
@@ -92,7 +91,7 @@ def _range_crc32(storage: Storage, name: str, start: int, length: int | None) ->
             n = f.readinto(view[:want])  # type: ignore[attr-defined]
             if not n:
                 break
-            crc = zlib.crc32(view[:n], crc)
+            crc = crc32(view[:n], crc)
             if left is not None:
                 left -= n
     return crc
