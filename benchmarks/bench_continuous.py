@@ -18,7 +18,7 @@ apart continuous saves landed, and rank 0's peak resident memory above the ``non
 
 Usage::
 
-    python benchmarks/bench_continuous.py [--params-m 100] [--reps 5] [--steps 14] [--dir DIR]
+    python benchmarks/bench_continuous.py [--params-m 100] [--reps 5] [--steps 14] [--batch 8] [--dir DIR]
 
 Ends with one line of JSON (units in the key names).
 """
@@ -41,7 +41,7 @@ CONFIGS = ("none", "continuous", "stock_every_step", "continuous_same_priority")
 WIDTH = 4096
 
 
-def worker(config: str, params_m: float, steps: int, warmup: int, dirpath: str) -> None:
+def worker(config: str, params_m: float, steps: int, warmup: int, dirpath: str, batch: int) -> None:
     """One 2-rank fit (Lightning's launcher starts rank 1 by running this command again); prints per-rank JSON."""
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -91,20 +91,23 @@ def worker(config: str, params_m: float, steps: int, warmup: int, dirpath: str) 
         callbacks.append(durable)
     elif config == "stock_every_step":
         callbacks.append(ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"))
-    data = DataLoader(TensorDataset(torch.randn(64 * steps, WIDTH)), batch_size=8)
+    data = DataLoader(TensorDataset(torch.randn(batch * (steps + 1), WIDTH)), batch_size=batch)
     trainer = Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=callbacks, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=config != "none",
     )  # fmt: skip
     model = MLP()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     trainer.fit(model, data)
+    after = resource.getrusage(resource.RUSAGE_SELF)
     state_bytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # weights + Adam's two moments
     timed = clock.ends[warmup:]
     result = {
         "config": config,
         "rank": trainer.global_rank,
         "steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": after.ru_maxrss * 1024,
+        "cpu_s": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime,  # every thread of the rank
         "state_bytes": state_bytes,
         "stalls_s": durable.save_stalls if durable else [],
         "saved_steps": clock.saved_steps,
@@ -132,7 +135,7 @@ def run(config: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
     dirpath = os.path.join(root, config)
     shutil.rmtree(dirpath, ignore_errors=True)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--params-m", str(args.params_m)]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", dirpath]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", dirpath, "--batch", str(args.batch)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -148,15 +151,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="runs of each configuration (interleaved)")
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the throughput")
+    parser.add_argument("--batch", type=int, default=8, help="samples per step and rank (more: more compute per byte)")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--same-priority", action="store_true", help="also run continuous_same_priority")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.params_m, args.steps, args.warmup, args.dir)
+        worker(args.worker, args.params_m, args.steps, args.warmup, args.dir, args.batch)
         return
-    if args.reps < 1 or args.steps < args.warmup + 3:
-        parser.error(f"--reps must be >= 1 and --steps >= --warmup + 3, got {args.reps} and {args.steps}")
+    if args.reps < 1 or args.steps < args.warmup + 3 or args.batch < 1:
+        parser.error(
+            "--reps and --batch must be >= 1 and --steps >= --warmup + 3,"
+            f" got {args.reps}, {args.batch} and {args.steps}"
+        )
     root = args.dir or tempfile.mkdtemp(prefix="bench_continuous_")
     configs = CONFIGS if args.same_priority else CONFIGS[:3]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
@@ -187,6 +194,14 @@ def main() -> None:
         "memcpy_gb_per_s": round(bandwidth / 1e9, 2),
         "blocking_bound_ms": round(1e3 * (1.2 * state / bandwidth) + 5, 1),
         "continuous_peak_extra_over_state": round((peak - base_peak) / state, 2),
+        "batch": args.batch,
+        "continuous_rank0_extra_cpu_s_per_save": round(
+            statistics.median(
+                (c["cpu_s"] - n["cpu_s"]) / max(1, c["saves"])
+                for c, n in zip(runs["continuous"], runs["none"], strict=True)
+            ),
+            3,
+        ),
     }
     if args.same_priority:
         figures["continuous_same_priority_throughput_ratio"] = round(rate["continuous_same_priority"] / rate["none"], 3)

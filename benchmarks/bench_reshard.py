@@ -2,7 +2,8 @@
 
 * DeepSpeed: the universal conversion alone (``convert_to_universal``, what rank zero runs before a 2 -> 1 resume),
   as seconds and GB/s of checkpoint; the whole resolved load on 1 rank (conversion + universal load + the
-  verification every resume does) next to a plain load of the same checkpoint on 2 ranks, as a ratio.
+  verification every resume does) next to a plain load of the same checkpoint on 2 ranks, as a ratio; and the
+  same 2 -> 1 load once more, reusing the conversion kept beside the checkpoint (``<name>.converted``).
 * FSDP2 (sharded directory, torch distributed checkpoint): the load on 1 rank (resharded) next to the load on 2.
 * Both also next to a plain load on 1 rank of the same model written by 1 rank (what the resize adds).
 
@@ -160,6 +161,7 @@ def main() -> None:
         conversion = min(convert)
         same = _launch("load", 2, args, out, "w2")  # plain loads, at the world size that wrote them
         other = _launch("load", 1, args, out, "w2")  # 2 -> 1: DeepSpeed converts, FSDP2 reshards
+        again = _launch("load", 1, args, out, "w2")  # 2 -> 1 again: the conversion kept beside it is reused
         _launch("save", 1, args, out, "w1")  # the same model written by 1 rank: a plain load on the new size
         target = _launch("load", 1, args, out, "w1")
     finally:
@@ -174,6 +176,9 @@ def main() -> None:
         "deepspeed_plain_load_2_ranks_s": round(same["deepspeed"], 3),
         "deepspeed_reshard_load_2_to_1_s": round(other["deepspeed"], 3),
         "deepspeed_reshard_over_plain_ratio": round(other["deepspeed"] / same["deepspeed"], 2),
+        "deepspeed_reshard_load_2_to_1_reused_s": round(again["deepspeed"], 3),
+        "deepspeed_reshard_reused_over_plain_ratio": round(again["deepspeed"] / same["deepspeed"], 2),
+        "deepspeed_reshard_reused_over_plain_1_rank_ratio": round(again["deepspeed"] / target["deepspeed"], 2),
         "deepspeed_plain_load_1_rank_s": round(target["deepspeed"], 3),
         "deepspeed_reshard_over_plain_1_rank_ratio": round(other["deepspeed"] / target["deepspeed"], 2),
         "fsdp2_checkpoint_MB": round(fsdp_bytes / 1e6, 1),

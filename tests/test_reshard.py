@@ -126,7 +126,6 @@ if phase == "a":  # constant global batch 8 = 2 ranks x micro 2 x 2; uninterrupt
 if phase == "b":  # resumed on 1 rank x micro 2 x 4
     _, rest = fit("ddp", "acc", 6, [accumulation()], model=Model(8, (16,), lr=1e-2, seed=0, step_lr=2))
     out.update(acc_rest=rest.losses)
-    out.update(family=refusal("ddp", "z2", 9))  # a DeepSpeed directory into DDP
     fit("single", "single", 3, [Snap("single")], model=PlainModel(8, (16,), lr=1e-2, seed=0))  # mid-epoch
 if phase == "c":  # single device -> DDP on 2: another sampler, so the epoch in progress restarts
     _, single = fit("ddp", "single", 5, [Snap("single")], model=PlainModel(8, (16,), lr=1e-2, seed=0))
@@ -194,7 +193,6 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
     assert len(full) == 6 and len(resized) == 6
     assert resized == pytest.approx(full, rel=1e-5, abs=1e-7)
     # refused, before any step, on every rank, saying why and what to do
-    assert b["family"].startswith("ReshardError") and "Resume it with the DeepSpeed strategy" in b["family"]
     for rank in (0, 1, 2):
         d = json.loads((tmp_path / f"out-d-{rank}.json").read_text())
         assert d["indivisible"].startswith("ScheduleError: Cannot resume a checkpoint written by 1 rank(s) on 3")
@@ -202,7 +200,7 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
         assert d["conversion"].startswith("DeepSpeedReshardError: Cannot resume DeepSpeed checkpoint z1/step=000000007")
         assert "failed on rank 0 (ValueError: no such layout). Resume it on 2 rank(s)" in d["conversion"]
     assert not (tmp_path / "z1" / "quarantine").exists()
-    assert not list(tmp_path.glob("*/.tmp.universal.*"))  # the temporary universal copies are gone
+    assert not list(tmp_path.glob("*/*.converted/.tmp.*"))  # no conversion left half-made
 
 
 def test_strategy_families_and_refusals_before_loading(tmp_path: Path) -> None:
@@ -211,16 +209,28 @@ def test_strategy_families_and_refusals_before_loading(tmp_path: Path) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lplugins.callbacks._record import Record
-    from lplugins.callbacks._reshard import DEEPSPEED, UNSHARDED, ReshardError, check_resume, family
+    from lplugins.callbacks._reshard import (
+        DEEPSPEED,
+        UNSHARDED,
+        ReshardError,
+        check_resume,
+        family,
+        needs_full_checkpoint,
+    )
     from lplugins.strategies import DeepSpeedStrategy
 
     assert family(DeepSpeedStrategy) == family("DeepSpeedStrategy") == DEEPSPEED
     assert family(DDPStrategy) == family("SingleDeviceStrategy") == UNSHARDED
     assert family("AcmeStrategy") is None
     ddp = SimpleNamespace(strategy=DDPStrategy(), world_size=1)
-    directory = Record("a.ckpt", 3, 0, 0.0, kind="dir", world_size=2, strategy="DeepSpeedStrategy")
-    with pytest.raises(ReshardError, match=r"written by DeepSpeedStrategy \(DeepSpeed\) on 2 rank\(s\)"):
-        check_resume(ddp, directory, "a.ckpt")
+    fsdp1 = Record("a.ckpt", 3, 0, 0.0, kind="dir", world_size=2, strategy="FSDPStrategy")  # a layout not converted
+    with pytest.raises(ReshardError, match=r"written by FSDPStrategy \(FSDP\) on 2 rank\(s\), as a sharded directory"):
+        check_resume(ddp, fsdp1, "a.ckpt")
+    # a DeepSpeed directory into DDP is converted (one full checkpoint), not refused (issue #29)
+    zero = Record("z.ckpt", 3, 0, 0.0, kind="dir", world_size=2, strategy="DeepSpeedStrategy")
+    check_resume(ddp, zero, "z.ckpt")
+    assert needs_full_checkpoint(ddp, zero)
+    assert not needs_full_checkpoint(ddp, Record("f.ckpt", 3, 0, 0.0, world_size=2, strategy="FSDP2Strategy"))
     check_resume(ddp, Record("b.ckpt", 3, 0, 0.0, world_size=2, strategy="SingleDeviceStrategy"), "b.ckpt")
     check_resume(ddp, Record("c.ckpt", 3, 0, 0.0, kind="dir", world_size=2, strategy="AcmeStrategy"), "c.ckpt")
 

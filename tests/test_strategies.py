@@ -19,7 +19,7 @@ from lplugins._builtins.strategies import DEEPSPEED_STRATEGIES
 from lplugins.strategies.timeout import DEFAULT_PG_TIMEOUT, ENV_VAR, resolve_timeout
 from tests._dist import run_script
 
-BUILTIN_STRATEGIES = {*DEEPSPEED_STRATEGIES, "fsdp2", "ddp_timeout", "advised"}
+BUILTIN_STRATEGIES = {*DEEPSPEED_STRATEGIES, "fsdp2", "ddp_timeout", "advised", "ft_ddp", "ft_hsdp"}
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")
 

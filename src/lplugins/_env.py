@@ -8,8 +8,11 @@
 ``LPLUGINS_AUTO_CALLBACKS``      ``1``: zero-code mode (see :mod:`lplugins._composition.factory`).
 ``LPLUGINS_AUTO_NAMES``          ``1``: registered names work in unchanged projects: plugins load when
                                  Lightning is first imported (see :mod:`lplugins._composition.autoload`).
-``LPLUGINS_COLLECTIVE_TIMEOUT``  seconds (default 30): the collective watchdog's bound; ``0``: off
-                                 (see :mod:`lplugins._coord.watchdog`).
+``LPLUGINS_COLLECTIVE_TIMEOUT``  seconds (default ``auto``: 5, raised to 3x the longest step): the
+                                 collective watchdog's floor; ``off``: no watchdog
+                                 (see :mod:`lplugins._coord.settings`).
+``LPLUGINS_HEARTBEAT_TIMEOUT``   seconds (default ``auto``: 5): how long a rank may hold the GIL
+                                 before it is named unresponsive (see :mod:`lplugins._coord.settings`).
 ===============================  =====================================================================
 """
 

@@ -96,12 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_list.set_defaults(func=_cmd_list)
 
     from lplugins._cli.demo import add_parser as add_demo
+    from lplugins._cli.export import add_parser as add_checkpoint
+    from lplugins._cli.ft import add_parser as add_ft
     from lplugins._cli.scaffold import add_parser as add_scaffold
     from lplugins.strategies.advisor import register_cli as add_advise
 
     add_demo(sub)
     add_scaffold(sub)
     add_advise(sub)
+    add_checkpoint(sub)
+    add_ft(sub)
     return parser
 
 

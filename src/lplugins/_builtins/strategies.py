@@ -1,4 +1,4 @@
-"""The built-in plugin ``strategies``: named DeepSpeed, FSDP2, DDP and advised strategies.
+"""The built-in plugin ``strategies``: named DeepSpeed, FSDP2, DDP, fault-tolerant (torchft) and advised strategies.
 
 Every factory imports its strategy class when it is called, so loading the built-ins imports
 neither DeepSpeed nor Lightning's strategy modules.
@@ -67,6 +67,25 @@ def fsdp2(**kwargs: Any) -> Any:
     return FSDP2Strategy(**kwargs)
 
 
+def ft_ddp(trainer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    """Build ``ft_ddp``: data parallelism across torchft replica groups (a lost one does not stop the others)."""
+    from lplugins.strategies import _ft_env
+
+    _ft_env.require("ft_ddp")
+    if trainer_kwargs is not None:
+        _ft_env.check_trainer_kwargs("ft_ddp", trainer_kwargs)
+    from lplugins.strategies.ft import FTDDPStrategy
+
+    return FTDDPStrategy(**kwargs)
+
+
+def ft_hsdp(trainer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    """Refuse ``ft_hsdp`` with the reason: torchft's FSDP2/HSDP inside a replica group needs CUDA."""
+    from lplugins.strategies import _ft_env
+
+    raise _ft_env.FTConfigError(_ft_env.HSDP_REFUSAL)
+
+
 def advised(trainer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """Build the strategy that :func:`lplugins.strategies.advise` recommends."""
     from lplugins.strategies.advisor import advised_strategy
@@ -92,6 +111,22 @@ def lplugins_register_strategies(register: Register) -> None:
         "fsdp2",
         fsdp2,
         description="FSDP2 (fully_shard) over all ranks, the model sharded by the strategy; CPU (gloo) or CUDA",
+    )
+    from lplugins.strategies import _ft_env
+
+    register(
+        "ft_ddp",
+        ft_ddp,
+        description=_ft_env.description(
+            "fault-tolerant DDP across torchft replica groups (one CPU process each, gloo): a lost group does "
+            "not stop the others and rejoins with a peer's state; start with `lplugins ft run`"
+        ),
+    )
+    register(
+        "ft_hsdp",
+        ft_hsdp,
+        description="unavailable: FSDP2/HSDP inside a torchft replica group needs CUDA (torchft 0.2); "
+        "on CPU use ft_ddp",
     )
     register(
         "advised",

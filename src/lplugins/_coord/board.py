@@ -110,11 +110,17 @@ class Board:
         return group is not None and self._group() is group
 
     # -- failures
-    def post_failure(self, text: str, where: str, round_: int) -> None:
-        record = {"rank": self.rank, "error": text, "where": where, "round": round_}
+    def post_failure(self, text: str, where: str, round_: int, kind: str | None = None, rank: int | None = None) -> int:
+        """Post a failure (``kind``: ``"fatal"``/``"verdict"`` for the watchdog's, of ``rank``); its index."""
+        record: dict[str, Any] = {"rank": self.rank if rank is None else rank, "error": text, "where": where}
+        record["round"] = round_
+        if kind is not None:
+            record["kind"] = kind
         index = int(self.store.add("failures", 1))
+        record["index"] = index
         self.store.set(f"failure/{index}", json.dumps(record))
         self.failures[index] = record
+        return index
 
     def read_failures(self) -> list[dict[str, Any]]:
         """New failure records of other ranks (cached)."""
@@ -126,13 +132,14 @@ class Board:
                 if self.seen in self.failures:
                     continue
                 record = json.loads(self.store.get(f"failure/{self.seen}"))
+                record["index"] = self.seen
                 self.failures[self.seen] = record
                 new.append(record)
             return new
 
     def failure_text(self, exclude: int | None = None) -> str:
         lines = [
-            f"rank {r['rank']} failed in {r['where']}: {r['error']}"
+            r["error"] if r.get("kind") else f"rank {r['rank']} failed in {r['where']}: {r['error']}"
             for _, r in sorted(self.failures.items())
             if r["rank"] != exclude
         ]

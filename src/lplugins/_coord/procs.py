@@ -2,15 +2,17 @@
 
 Used where lplugins learns that another rank's or another job's process ended without waiting for a
 timeout: the failure board (a rank killed inside an agreement) and the checkpoint directory's claim.
-Linux reads ``/proc``; elsewhere a pid that exists counts as alive.
+Linux reads ``/proc``; elsewhere a pid that exists counts as alive. :data:`fork_guard` holds forks
+back while the watchdog thread samples (a child must not inherit a lock that thread holds).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 
-__all__ = ["host", "proc_start", "running"]
+__all__ = ["ForkGuard", "fork_guard", "host", "proc_start", "running"]
 
 
 def host() -> str:
@@ -48,3 +50,36 @@ def running(pid: int, start: str | None = None) -> bool:
         pass
     found = proc_start(pid)
     return start is None or found is None or found == start
+
+
+class ForkGuard:
+    """Holds forks back while the watchdog thread samples or talks to the store.
+
+    A child forked while this thread holds a lock (the store client's, logging's, the import lock)
+    inherits it held, and can hang the first time it needs it: a DataLoader worker started mid-tick.
+    ``os.register_at_fork`` takes the lock around every fork (waiting at most a few seconds).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held = False
+
+    def before(self) -> None:
+        self.held = self.lock.acquire(timeout=5)
+
+    def after_in_parent(self) -> None:
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+    def after_in_child(self) -> None:
+        self.lock = threading.Lock()  # the watchdog thread does not exist in the child
+        self.held = False
+
+
+fork_guard = ForkGuard()
+os.register_at_fork(
+    before=fork_guard.before,
+    after_in_parent=fork_guard.after_in_parent,
+    after_in_child=fork_guard.after_in_child,
+)

@@ -19,7 +19,7 @@ from types import FrameType
 
 from lplugins._lightning.runtime import logged_metric
 
-__all__ = ["COLLECTIVES", "Where", "classify", "thread_cpu_seconds"]
+__all__ = ["COLLECTIVES", "Where", "classify", "is_library", "thread_cpu_seconds"]
 
 #: The ``torch.distributed`` functions that are collectives (the outermost one on the stack is named).
 COLLECTIVES = frozenset(
@@ -42,13 +42,16 @@ class Where:
     """What a rank's main thread is doing, as the watchdog sees it.
 
     Attributes:
-        kind: ``"run"``, ``"collective"`` (a ``torch.distributed`` call or lplugins' agreement) or
-            ``"backward"`` (no progress inside a backward pass: DDP's gradient all-reduce).
+        kind: ``"run"``, ``"collective"`` (a ``torch.distributed`` call or lplugins' agreement),
+            ``"backward"`` (no progress inside a backward pass: DDP's gradient all-reduce) or ``"data"``
+            (waiting for the next batch of a DataLoader: not waiting for other ranks, but maybe stalled).
         op: The collective (``"torch.distributed.barrier()"``); empty when running.
         via: The library call user code made to get there (``"Trainer.save_checkpoint"``), if any.
         inside: The library function that called the collective (``"DeepSpeedEngine.save_checkpoint"``), if
             not user code itself.
-        site: ``file:line`` of the user code it is waiting in (the innermost frame when none is).
+        site: ``file:line`` of the user code it is waiting in (the innermost frame when none is); for
+            ``"run"``, the innermost line of user code.
+        shape: The shape of the tensor a collective was given (``"[8]"``), when it has one.
     """
 
     kind: str
@@ -56,17 +59,21 @@ class Where:
     via: str = ""
     site: str = ""
     inside: str = ""
+    shape: str = ""
 
     @property
     def blocked(self) -> bool:
         """Whether this state waits for other ranks."""
-        return self.kind != "run"
+        return self.kind in ("collective", "backward")
 
     def describe(self) -> str:
         """``torch.distributed.barrier() in DDPStrategy.barrier (through Trainer.save_checkpoint) at train.py:42``."""
         inside = f" in {self.inside}" if self.inside and self.inside != self.via else ""
         via = f" (through {self.via})" if self.via else ""
-        return f"{self.op}{inside}{via} at {self.site}" if self.site else f"{self.op}{inside}{via}"
+        shape = f" (tensor shape {self.shape})" if self.shape else ""
+        if self.kind == "run":
+            return f"running at {self.site}" if self.site else "running"
+        return f"{self.op}{shape}{inside}{via} at {self.site}" if self.site else f"{self.op}{shape}{inside}{via}"
 
 
 _library_cache: dict[str, bool] = {}
@@ -94,6 +101,11 @@ def _is_library(filename: str) -> bool:
         known = filename.startswith("<") or os.path.abspath(filename).startswith(_roots())
         _library_cache[filename] = known
     return known
+
+
+def is_library(filename: str) -> bool:
+    """Whether ``filename`` belongs to Python, torch, Lightning, DeepSpeed or lplugins (not the user's code)."""
+    return _is_library(filename)
 
 
 def _site(frame: FrameType) -> str:
@@ -127,8 +139,12 @@ def classify(frame: FrameType | None, waiting: str | None = None, cpu_idle: bool
         kind, op, start = "collective", f"torch.distributed.{frames[op_index].f_code.co_name}()", op_index
     elif cpu_idle and _in_backward(frames):
         kind, op, start = "backward", "the gradient all-reduce of a backward pass (DDP)", 0
+    elif (loader := _in_dataloader(frames)) is not None:
+        first = getattr(loader.f_locals.get("self"), "_num_yielded", 1) == 0  # workers may still be starting
+        kind, op, start = "data", f"the DataLoader's {'first' if first else 'next'} batch", 0
     else:
-        return Where("run")
+        site = next((_site(f) for f in frames if not _is_library(f.f_code.co_filename)), "")
+        return Where("run", site=site)
     via, site, inside = "", "", ""
     if op_index is not None and waiting is None:
         for f in frames[op_index + 1 :]:
@@ -147,7 +163,19 @@ def classify(frame: FrameType | None, waiting: str | None = None, cpu_idle: bool
     logged = logged_metric(frames, _is_library)
     if logged is not None:
         via, site = logged[0], logged[1] or site
-    return Where(kind, op, via, site or _site(frames[0]), inside)
+    shape = ""
+    if op_index is not None and waiting is None:
+        tensor = frames[op_index].f_locals.get("tensor")
+        size = getattr(tensor, "shape", None)
+        if size is not None:
+            shape = str(list(size))
+    return Where(kind, op, via, site or _site(frames[0]), inside, shape)
+
+
+def _in_dataloader(frames: list[FrameType]) -> FrameType | None:
+    """The frame of a DataLoader iterator's ``__next__`` the thread waits in (or computes a batch in), if any."""
+    marker = f"{os.sep}utils{os.sep}data{os.sep}"
+    return next((f for f in frames if f.f_code.co_name == "__next__" and marker in f.f_code.co_filename), None)
 
 
 def _in_backward(frames: list[FrameType]) -> bool:

@@ -4,10 +4,12 @@ The commit marker records the world size and the strategy class that wrote a che
 (:class:`~lplugins.callbacks._record.Record`). Before a committed checkpoint is loaded,
 :func:`check_resume` compares them with the run that loads it:
 
-* a change of strategy *family* that the checkpoint's layout cannot follow is refused, on every rank,
-  before anything is loaded (:class:`ReshardError`): a directory checkpoint (DeepSpeed ZeRO, or a
-  torch distributed checkpoint of FSDP2) only loads into its own family, and DeepSpeed loads only
-  its own directories;
+* a change of strategy *family* between DDP (and single device), FSDP2 and DeepSpeed is followed: a
+  sharded directory of another family is converted once to one full checkpoint
+  (:func:`needs_full_checkpoint`, :mod:`~lplugins.callbacks._portable`), a full file loads into any of
+  them (DeepSpeed: :func:`lplugins._lightning.load_full_into_deepspeed`); a directory of a family
+  lplugins cannot convert (FSDP1) is refused, on every rank, before anything is loaded
+  (:class:`ReshardError`);
 * after the load, :func:`describe_resume` says once, on rank zero, what happens to each part of the
   state on the new world size ("resuming a checkpoint written by 2 ranks on 3 ranks: ...").
 
@@ -19,8 +21,10 @@ converts or restarts the epoch in progress, and the accumulation scheduler re-de
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from lplugins._lightning.converted import CONVERTED_SUFFIX
 from lplugins._log import announce
 from lplugins.callbacks._errors import CheckpointResumeError
 from lplugins.callbacks._record import Record
@@ -29,7 +33,7 @@ from lplugins.callbacks._record import Record
 # told apart by class name), so ReshardError is one class for both.
 Trainer = Any
 
-__all__ = ["ReshardError", "check_resume", "describe_resume", "family"]
+__all__ = ["CONVERTIBLE", "ReshardError", "check_resume", "describe_resume", "family", "needs_full_checkpoint"]
 
 #: Strategy families: checkpoints of one family share a layout.
 UNSHARDED, FSDP2, FSDP1, DEEPSPEED = "unsharded (DDP, single device)", "FSDP2", "FSDP", "DeepSpeed"
@@ -72,41 +76,69 @@ def family(strategy: str | type) -> str | None:
     return None
 
 
+#: The families whose layouts convert into each other (one full checkpoint as the common form).
+CONVERTIBLE = (UNSHARDED, FSDP2, DEEPSPEED)
+
+
+def needs_full_checkpoint(trainer: Trainer, record: Record) -> bool:
+    """Whether ``record``'s directory must be converted to one full checkpoint for this run's strategy to load it
+    (a sharded directory of another family than this run's: DeepSpeed into DDP or FSDP2, FSDP2 into DDP or
+    DeepSpeed)."""
+    saved, now = family(record.strategy) if record.strategy else None, family(type(trainer.strategy))
+    return record.kind == "dir" and saved != now and saved in CONVERTIBLE and now in CONVERTIBLE
+
+
 def check_resume(trainer: Trainer, record: Record, path: str) -> None:
     """Refuse, before loading ``record``, a strategy change its layout cannot follow.
 
+    Between the single device, DDP, FSDP2 and DeepSpeed (any ZeRO stage), any checkpoint resumes with any of
+    them on any world size (converted when the layouts differ: :func:`needs_full_checkpoint`). A directory
+    written by another strategy family (FSDP1) is refused.
+
     Raises:
-        ReshardError: the checkpoint's strategy family differs from this run's and its layout cannot be
-            loaded by this one (the message says what to do).
+        ReshardError: the checkpoint's layout cannot be loaded by this run's strategy (the message names both
+            layouts and what to do).
     """
     saved, now = family(record.strategy) if record.strategy else None, family(type(trainer.strategy))
-    if saved is None or now is None or saved == now:
+    if saved is None or now is None or saved == now or record.kind != "dir":
         return
-    strategy = trainer.strategy  # DeepSpeed loads one full file with load_full_weights=True under ZeRO-3
-    full_file = bool(getattr(strategy, "load_full_weights", False) and getattr(strategy, "zero_stage_3", False))
-    if record.kind == "dir" or (now == DEEPSPEED and not full_file):
-        layout = "a sharded directory" if record.kind == "dir" else "one checkpoint file"
-        raise ReshardError(
-            f"Cannot resume {path} with {type(trainer.strategy).__name__} ({now}): it was written by"
-            f" {record.strategy} ({saved}) on {record.world_size or '?'} rank(s), as {layout} only that family"
-            f" loads. Resume it with the {saved} strategy it was written with (any number of ranks), or start"
-            " a new run from its weights (e.g. LightningModule.load_from_checkpoint after consolidating them)."
-        )
+    if saved in CONVERTIBLE and now in CONVERTIBLE:
+        return
+    raise ReshardError(
+        f"Cannot resume {path} with {type(trainer.strategy).__name__} ({now}) on {trainer.world_size} rank(s): it"
+        f" was written by {record.strategy} ({saved}) on {record.world_size or '?'} rank(s), as a sharded directory"
+        f" lplugins cannot convert to {now}'s layout. Resume it with the {saved} strategy it was written with (any"
+        " number of ranks), or have that strategy write one full checkpoint file, which every strategy loads."
+    )
 
 
 def describe_resume(trainer: Trainer, record: Record, path: str) -> None:
     """Say once, on rank zero, what happens to the state of a checkpoint written on another world size."""
     world = trainer.world_size
     saved = record.world_size
-    if not saved or saved == world:
-        return
     now = family(type(trainer.strategy))
+    before = family(record.strategy) if record.strategy else None
+    crossed = before is not None and now is not None and before != now
+    if (not saved or saved == world) and not crossed:
+        return
     name = type(trainer.strategy).__name__
-    if now == DEEPSPEED:
+    if crossed and record.kind == "dir":
         how = (
-            "the ZeRO partitions were converted to a DeepSpeed universal checkpoint (a temporary copy; the"
-            f" checkpoint itself is unchanged) and re-partitioned over {world} rank(s): fp32 weights and optimizer"
-            " moments exactly as saved"
+            f"the {before} directory was converted once to one full checkpoint (kept next to it, in"
+            f" {os.path.basename(path.rstrip('/'))}{CONVERTED_SUFFIX}, reused by the next resume and removed with"
+            f" the checkpoint) and loaded by {name} over {world} rank(s): fp32 weights and optimizer state exactly"
+            " as saved"
+        )
+    elif crossed and now == DEEPSPEED:
+        how = (
+            f"each parameter's fp32 value and optimizer state were put into the DeepSpeed partitions of {world}"
+            " rank(s), exactly as saved"
+        )
+    elif now == DEEPSPEED:
+        how = (
+            "the ZeRO partitions were converted to a DeepSpeed universal checkpoint (once: kept beside it, reused by"
+            f" the next resume; the checkpoint itself is unchanged) and re-partitioned over {world} rank(s): fp32"
+            " weights and optimizer moments exactly as saved"
         )
     elif now == FSDP2 and record.kind == "dir":
         how = f"the sharded checkpoint (torch distributed checkpoint) was resharded on load over {world} rank(s)"
@@ -117,8 +149,8 @@ def describe_resume(trainer: Trainer, record: Record, path: str) -> None:
     else:
         how = f"{name} loaded it (lplugins does not know how it handles another world size)"
     announce(
-        "lplugins: resuming a checkpoint written by %d rank(s) on %d rank(s): %s (%s -> %s); global_step, epoch"
+        "lplugins: resuming a checkpoint written by %s rank(s) on %d rank(s): %s (%s -> %s); global_step, epoch"
         " and LR schedulers continue; the RNG states of the saving ranks are not restored; what happens to an"
         " epoch in progress and to gradient accumulation is said next (when there is one).",
-        saved, world, how, record.strategy or "unknown strategy", name,
+        saved or "?", world, how, record.strategy or "unknown strategy", name,
     )  # fmt: skip

@@ -34,6 +34,7 @@ from lplugins.callbacks._errors import (
     InconsistentCheckpointError,
 )
 from lplugins.callbacks._latest import LAST, LATEST, latest_checkpoint
+from lplugins.callbacks._portable import portable_path
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record, order
 from lplugins.callbacks._refusals import (
     DAMAGED,
@@ -44,7 +45,7 @@ from lplugins.callbacks._refusals import (
     refused_error,
     unsafe_error,
 )
-from lplugins.callbacks._reshard import check_resume, describe_resume
+from lplugins.callbacks._reshard import check_resume, describe_resume, needs_full_checkpoint
 from lplugins.callbacks._storage import Storage
 from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._verify import Overlapped, bytes_problem, can_verify
@@ -231,7 +232,11 @@ class LatestResolver:
         check_resume(self.trainer, record, path)  # a strategy change its layout cannot follow: refused
         rank, world = self.trainer.global_rank, max(1, self.trainer.world_size)
         check = functools.partial(bytes_problem, storage, record, rank, world)
-        if not can_verify(record):
+        if needs_full_checkpoint(self.trainer, record):  # converted from verified bytes only
+            if can_verify(record) and (problem := check()) is not None:
+                raise DamagedCheckpointError(f"{path}: {problem}")
+            result = self._attempt(portable_path(self.trainer, record, path), attempt)
+        elif not can_verify(record):
             result = self._attempt(path, attempt)
         elif self.deep or self._unpickles or not storage.parallel_reads:  # before loading (remote: one at a time)
             if (problem := check()) is not None:
@@ -248,7 +253,26 @@ class LatestResolver:
             if (problem := job.result()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
         self._cross_check(record, result, path)
+        self._adopt_moved_state(result)
         return result
+
+    def _adopt_moved_state(self, loaded: Any) -> None:
+        """A checkpoint moved to another directory: its ``DurableCheckpoint`` state (data position, RNG) is this one's.
+
+        Lightning hands a callback the state saved under its ``state_key``, which names the ``dirpath``; a run
+        moved to another machine or path would otherwise resume with a fresh data position.
+        """
+        callbacks = loaded.get("callbacks") if isinstance(loaded, dict) else None
+        if not isinstance(callbacks, dict):
+            return
+        trainer: Any = self.trainer
+        mine = [cb.state_key for cb in trainer.callbacks if type(cb).__name__ == "DurableCheckpoint"]
+        saved = [key for key in callbacks if isinstance(key, str) and key.startswith("DurableCheckpoint{")]
+        if len(mine) == 1 and len(saved) == 1 and saved[0] != mine[0] and mine[0] not in callbacks:
+            callbacks[mine[0]] = callbacks.pop(saved[0])
+            announce(
+                "lplugins: the checkpoint was written as %s; its state (data position, RNG) resumes here", saved[0]
+            )
 
     def _attempt(self, path: str, attempt: Callable[[str], Any]) -> Any:
         self._loading = True

@@ -1,5 +1,5 @@
-"""Built-in strategy extensions: DeepSpeed ZeRO and FSDP2 on CPU and CUDA, a strategy advisor, one
-process-group timeout, and cluster environments.
+"""Built-in strategy extensions: DeepSpeed ZeRO and FSDP2 on CPU and CUDA, fault-tolerant DDP with torchft
+(``ft_ddp``), a strategy advisor, one process-group timeout, and cluster environments.
 
 Importing this package imports neither Lightning nor DeepSpeed; each name is loaded on first use.
 """
@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lplugins.strategies._ds_config import DeepSpeedConfigError
+    from lplugins.strategies._ft_env import FTConfigError, FTUnavailableError
     from lplugins.strategies.advisor import Advice, AdvisorError, advise
     from lplugins.strategies.ddp import DDPStrategy
     from lplugins.strategies.deepspeed import DeepSpeedStrategy
     from lplugins.strategies.environments import VariablesEnvironment
     from lplugins.strategies.fsdp2 import FSDP2Strategy
+    from lplugins.strategies.ft import FTDDPStrategy
     from lplugins.strategies.timeout import DEFAULT_PG_TIMEOUT, resolve_timeout
 
 _LAZY = {
@@ -23,6 +25,9 @@ _LAZY = {
     "DeepSpeedConfigError": "lplugins.strategies._ds_config",
     "DDPStrategy": "lplugins.strategies.ddp",
     "FSDP2Strategy": "lplugins.strategies.fsdp2",
+    "FTDDPStrategy": "lplugins.strategies.ft",
+    "FTConfigError": "lplugins.strategies._ft_env",
+    "FTUnavailableError": "lplugins.strategies._ft_env",
     "Advice": "lplugins.strategies.advisor",
     "AdvisorError": "lplugins.strategies.advisor",
     "advise": "lplugins.strategies.advisor",
@@ -39,6 +44,9 @@ __all__ = [
     "DeepSpeedConfigError",
     "DeepSpeedStrategy",
     "FSDP2Strategy",
+    "FTConfigError",
+    "FTDDPStrategy",
+    "FTUnavailableError",
     "VariablesEnvironment",
     "advise",
     "resolve_timeout",

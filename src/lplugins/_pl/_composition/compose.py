@@ -278,17 +278,18 @@ def _attach(trainer: Trainer, callbacks: Sequence[Any], manager: PluginManager |
 
 
 def _arm_watchdog(trainer: Any) -> None:
-    """Arm the collective watchdog for a Trainer of more than one process (``LPLUGINS_COLLECTIVE_TIMEOUT``).
+    """Arm the collective watchdog for a Trainer of more than one process (``LPLUGINS_COLLECTIVE_TIMEOUT``,
+    ``LPLUGINS_HEARTBEAT_TIMEOUT``; stack files under the Trainer's ``default_root_dir``).
 
     Raises:
-        LPluginsError: ``LPLUGINS_COLLECTIVE_TIMEOUT`` is not a number of seconds >= 0.
+        LPluginsError: a setting is not a number of seconds > 0, ``auto`` or ``off`` (the message names it).
     """
+    from lplugins._coord import settings as _settings
     from lplugins._coord import watchdog as _watchdog
-    from lplugins._env import COLLECTIVE_TIMEOUT, env_seconds
 
-    timeout = env_seconds(COLLECTIVE_TIMEOUT, _watchdog.DEFAULT_TIMEOUT)
-    if getattr(trainer, "world_size", 1) > 1 or timeout == 0:
-        _watchdog.arm(timeout)
+    chosen = _settings.from_env()
+    if getattr(trainer, "world_size", 1) > 1 or chosen.collective == 0:
+        _watchdog.arm(chosen.collective, heartbeat=chosen.heartbeat, log_dir=getattr(trainer, "default_root_dir", None))
 
 
 def _understand_ckpt_path(trainer: Any) -> None:

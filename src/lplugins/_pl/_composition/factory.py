@@ -12,7 +12,7 @@ Lightning's (one raising factory aborts ``Trainer()`` with a bare traceback). Wi
 the factory returns nothing and costs nothing.
 
 In every ``Trainer()`` for more than one process it also arms the collective watchdog
-(:mod:`lplugins._coord.watchdog`; ``LPLUGINS_COLLECTIVE_TIMEOUT=0`` turns it off), whatever the variable.
+(:mod:`lplugins._coord.watchdog`; ``LPLUGINS_COLLECTIVE_TIMEOUT=off`` turns it off), whatever the variable.
 
 Strategy names cannot be added from here (Lightning checks them before this entry point runs):
 call :func:`lplugins.load` before building the Trainer for those.

@@ -11,6 +11,8 @@ with a name that says what it does, next to the declaration of each private name
 * ``accumulation``: the epoch loop's step and zero-grad decisions, for accumulation schedules;
 * ``strategies``: DeepSpeed on CPU, process groups, timeouts;
 * ``loading``: what a strategy's own load may unpickle (the weights-only policy);
+* ``portable``: checkpoint layouts (ZeRO and sharded directories, files) and the conversions between them;
+  ``converted``: conversions made once and kept beside their checkpoint;
 * ``runtime``: Lightning objects found on a stack or in ``sys.modules`` (the watchdog, the guard).
 
 ``tests/test_lightning_internals.py`` resolves every entry of :data:`PRIVATES` against the
@@ -41,6 +43,10 @@ from lplugins._pl._lightning.loading import (
     running_weights_only,
     unsafe_checkpoint_error,
     weights_only_file,
+)
+from lplugins._pl._lightning.portable import (
+    LayoutError,
+    load_full_into_deepspeed,
 )
 from lplugins._pl._lightning.registry import (
     CHECKED_VERSIONS,
@@ -84,6 +90,8 @@ from lplugins._pl._lightning.trainer import (
 
 __all__ = [
     "CHECKED_VERSIONS",
+    "LayoutError",
+    "load_full_into_deepspeed",
     "DCP_METADATA_TYPES",
     "DEEPSPEED_SAFE_TYPES",
     "DeepSpeedHooksMixin",

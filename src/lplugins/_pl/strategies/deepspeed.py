@@ -25,12 +25,9 @@ built.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import re
-import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from os import PathLike
 from typing import TYPE_CHECKING, Any
@@ -42,8 +39,17 @@ from pytorch_lightning.utilities import rank_zero_info
 from typing_extensions import override
 
 from lplugins._pl import _lightning
-from lplugins._coord.board import add_note
 from lplugins._errors import LPluginsError
+from lplugins._lightning.converted import cached_conversion, converted_dir
+from lplugins._pl._lightning.portable import (
+    DEEPSPEED_DIR,
+    FULL_FILE,
+    convert_to_universal,
+    deepspeed_stage,
+    full_from_universal,
+    saved_dp_world_size,
+    universal_load,
+)
 from lplugins._validate import is_int, positive_int
 from lplugins._pl.strategies import _elastic
 from lplugins.strategies._ds_config import (
@@ -64,7 +70,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lplugins")
 
-__all__ = ["DeepSpeedEngineNotReady", "DeepSpeedReshardError", "DeepSpeedStrategy"]
+__all__ = [
+    "DeepSpeedEngineNotReady",
+    "DeepSpeedReshardError",
+    "DeepSpeedStrategy",
+    "convert_to_universal",
+    "saved_dp_world_size",
+]
 
 
 class DeepSpeedEngineNotReady(LPluginsError, RuntimeError):
@@ -225,36 +237,68 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
         return checkpoint
 
     def _load_any_world_size(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's load; a ZeRO checkpoint of another DP world size through DeepSpeed's universal checkpoint.
+        """Lightning's load; any other layout converted (once: kept next to the checkpoint) to one this run loads.
 
-        DeepSpeed refuses a ZeRO checkpoint saved by another number of data-parallel ranks. Here rank zero
-        converts it (``deepspeed.checkpoint.ds_to_universal``, in this process) into a temporary directory
-        next to it, ``.tmp.universal.<name>`` (the original is only read), every rank loads that copy with
-        DeepSpeed's universal loader (fp32 weights and Adam moments re-partitioned for this world size),
-        and the copy is removed once every rank has read it (after a crash, the next start of a
-        ``DurableCheckpoint`` removes it as a leftover).
+        * A ZeRO checkpoint of another data-parallel world size: rank zero converts it with DeepSpeed's
+          ``ds_to_universal`` into ``<checkpoint>.converted/universal`` (the original is only read; a conversion
+          made before is reused once its bytes are checked), and every rank loads that with DeepSpeed's universal
+          loader (fp32 weights and Adam moments re-partitioned for this world size).
+        * A ZeRO-3 checkpoint into ZeRO-1/2, or the other way: its universal conversion is read as one full
+          checkpoint and put into this engine (below).
+        * One full checkpoint file (single device, DDP, FSDP2's full file, a stock ``ModelCheckpoint`` file, or
+          the conversion of an FSDP2 sharded directory): each parameter's fp32 value and optimizer moments go
+          into this engine's partitions (:func:`lplugins._pl._lightning.load_full_into_deepspeed`).
+
+        ``validate``/``test``/``predict`` load no optimizer state and go through DeepSpeed's own load, as does a
+        ZeRO-3 strategy with ``load_full_weights=True``.
 
         Raises:
-            DeepSpeedReshardError: on every rank, when the conversion fails (rank zero's error in the message).
+            DeepSpeedReshardError: on every rank, when a conversion fails (rank zero's error in the message) or the
+                checkpoint's state does not fit this model and optimizer (before anything is loaded).
         """
         from pytorch_lightning.trainer.states import TrainerFn
 
         load = super().load_checkpoint
-        saved = saved_dp_world_size(checkpoint_path)
         module = self.lightning_module
         fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
-        if not fitting or saved is None or saved == self.world_size or (self.load_full_weights and self.zero_stage_3):
+        if not fitting or (self.load_full_weights and self.zero_stage_3):
             return load(checkpoint_path, weights_only)  # validate/test/predict load no optimizer state: as before
         path = os.fspath(checkpoint_path).rstrip("/")
-        parent, name = os.path.split(path)
-        work = os.path.join(parent, f"{_UNIVERSAL_PREFIX}{name}")
+        if os.path.isfile(path):
+            if weights_only is False:  # trusted, as asked (load_weights_only warned, naming it)
+                import torch
+
+                return self._load_full(path, torch.load(path, map_location="cpu", weights_only=False), FULL_FILE)
+            return self._load_full(path, _lightning.weights_only_file(path, ()), FULL_FILE)
+        saved = saved_dp_world_size(path)
+        if saved is None:
+            return load(checkpoint_path, weights_only)
+        stage = deepspeed_stage(path)
+        now = (self.config or {}).get("zero_optimization", {}).get("stage") if isinstance(self.config, dict) else None
+        crosses = stage is not None and now is not None and stage != now  # ZeRO-1 <-> 2 <-> 3: through a full one
+        if saved == self.world_size and not crosses:
+            return load(checkpoint_path, weights_only)
+        universal = self._universal(path, saved)
+        if crosses:
+            return self._load_full(path, full_from_universal(universal), f"{DEEPSPEED_DIR} (ZeRO-{stage})")
+        with universal_load(self.deepspeed_engine):
+            checkpoint: dict[str, Any] = load(universal, weights_only)
+        return checkpoint
+
+    def _universal(self, path: str, saved: int) -> str:
+        """The universal conversion of the ZeRO checkpoint ``path``: made or reused by rank zero, then on every rank."""
+        import time
+
         error: str | None = None
         if self.is_global_zero:
             try:
-                seconds = convert_to_universal(path, work)
+                start = time.perf_counter()
+                work, how = cached_conversion(path, "universal", lambda tmp: convert_to_universal(path, tmp))
+                seconds = time.perf_counter() - start
+                said = f"converted to a universal checkpoint in {seconds:.1f}s" if how.startswith("made") else how
                 rank_zero_info(
-                    f"lplugins: DeepSpeed checkpoint {path} was saved by {saved} data-parallel rank(s); converted"
-                    f" to a universal checkpoint in {seconds:.1f}s to load on {self.world_size}"
+                    f"lplugins: DeepSpeed checkpoint {path} was saved by {saved} data-parallel rank(s); {said} to"
+                    f" load on {self.world_size} ({work}; kept for the next resume, removed with the checkpoint)"
                 )
             except Exception as err:  # said on every rank below
                 error = f"{type(err).__name__}: {err}"
@@ -266,12 +310,25 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
                 f" it on {saved} rank(s), or convert it yourself with DeepSpeed's ds_to_universal and load the"
                 " result with 'checkpoint': {'load_universal': true} in the DeepSpeed config."
             )
-        with universal_load(self.deepspeed_engine):
-            checkpoint: dict[str, Any] = load(work, weights_only)
-        self.barrier("lplugins.deepspeed.universal_loaded")  # every rank has read the copy
-        if self.is_global_zero:
-            shutil.rmtree(work, ignore_errors=True)
-        return checkpoint
+        return os.path.join(converted_dir(path), "universal")
+
+    def _load_full(self, path: str, checkpoint: dict[str, Any], source: str) -> dict[str, Any]:
+        """Put a full checkpoint into the engine; a state that does not fit is refused before anything is set."""
+        stage = (self.config or {}).get("zero_optimization", {}).get("stage") if isinstance(self.config, dict) else "?"
+        try:
+            rest: dict[str, Any] = _lightning.load_full_into_deepspeed(self, checkpoint)
+        except _lightning.LayoutError as err:
+            raise DeepSpeedReshardError(
+                f"Cannot resume {path} ({source}) with DeepSpeed ZeRO-{stage} on {self.world_size} rank(s): {err}."
+                " Resume it with the strategy that wrote it (DDP, single device and FSDP2 load any optimizer"
+                " state whole, on any number of ranks), or start a new run from its weights"
+                " (lplugins checkpoint export)."
+            ) from None
+        rank_zero_info(
+            f"lplugins: {path} ({source}) put into DeepSpeed ZeRO-{stage} on {self.world_size} rank(s): each"
+            " parameter's fp32 value and optimizer state, partitioned for this run"
+        )
+        return rest
 
     # ------------------------------------------------------------------ config
     @override
@@ -366,90 +423,6 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
 
 class DeepSpeedReshardError(LPluginsError, RuntimeError):
     """A ZeRO checkpoint of another data-parallel world size could not be converted to load on this one."""
-
-
-#: The temporary directory (next to the checkpoint) a checkpoint is converted into to load on another world size;
-#: it starts with ``DurableCheckpoint``'s temporary prefix, so a leftover is removed at the next start.
-_UNIVERSAL_PREFIX = ".tmp.universal."
-_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
-
-
-def _tag_dir(path: str) -> str:
-    """The directory of the tag ``path/latest`` names (Lightning saves one tag per checkpoint directory)."""
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
-        if tag and os.path.isdir(os.path.join(path, tag)):
-            return os.path.join(path, tag)
-    return path
-
-
-def saved_dp_world_size(checkpoint_path: Any) -> int | None:
-    """The number of data-parallel ranks that saved the ZeRO checkpoint directory ``checkpoint_path`` (``None``:
-    not a ZeRO checkpoint directory).
-
-    Counted from its optimizer-state files, one per data-parallel rank
-    (``zero_pp_rank_<R>_mp_rank_00_optim_states.pt``).
-    """
-    path = os.fspath(checkpoint_path)
-    if not os.path.isdir(path):
-        return None
-    tag_dir = _tag_dir(path)
-    ranks = {int(m.group(1)) for entry in os.listdir(tag_dir) if (m := _ZERO_FILE.match(entry))}
-    return len(ranks) or None
-
-
-@contextlib.contextmanager
-def universal_load(engine: Any) -> Iterator[None]:
-    """Within the block, ``engine.load_checkpoint`` reads a universal checkpoint.
-
-    As ``"checkpoint": {"load_universal": true}`` in the config would, for this load only: every place the
-    engine decides asks its public ``load_universal_checkpoint()``, answered ``True`` here on the instance.
-    """
-    engine.load_universal_checkpoint = lambda: True
-    try:
-        yield
-    finally:
-        del engine.load_universal_checkpoint
-
-
-def convert_to_universal(checkpoint_path: str, work: str) -> float:
-    """Convert the ZeRO checkpoint directory ``checkpoint_path`` into a universal checkpoint in ``work``.
-
-    ``work`` gets ``latest_universal`` and the tag directory (DeepSpeed's ``ds_to_universal``, run in this
-    process, with one worker, its output kept off the console); ``checkpoint_path`` is only read. The files
-    were read weights-only before (see :func:`lplugins._pl._lightning.load_weights_only`).
-
-    Returns:
-        The seconds the conversion took.
-
-    Raises:
-        Exception: whatever DeepSpeed's converter raises (with its last output lines as a note).
-    """
-    import io
-    import time
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    tag_dir = _tag_dir(checkpoint_path)
-    start = time.perf_counter()
-    shutil.rmtree(work, ignore_errors=True)
-    args = argparse.Namespace(
-        input_folder=tag_dir, output_folder=os.path.join(work, os.path.basename(tag_dir)), num_extract_workers=1,
-        num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
-    )  # fmt: skip
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            ds_to_universal.main(args)
-    except BaseException as err:
-        tail = "\n".join(out.getvalue().strip().splitlines()[-5:])
-        if tail:
-            add_note(err, f"ds_to_universal said:\n{tail}")
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return time.perf_counter() - start
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -1,0 +1,149 @@
+"""Conversions of a checkpoint, made once and kept next to it: ``<checkpoint>.converted/<kind>``.
+
+A checkpoint resumed in another layout (another world size under DeepSpeed, another strategy family) is
+converted once; the result is kept in the directory ``<checkpoint>.converted`` beside it and reused by every
+later resume of the same checkpoint. Each conversion is committed like a checkpoint: built under a temporary
+name (``.tmp.<kind>.<random>``), every file ``fsync``-ed, renamed into place, then its manifest
+(``<kind>.json``: the source's fingerprint, each file's size and CRC32) written last, durably. A conversion
+without a manifest, of another source (the fingerprint differs), or whose bytes do not match the manifest is
+not used: it is removed and made again. ``DurableCheckpoint``'s retention removes ``<checkpoint>.converted``
+with its checkpoint, and its start-of-fit clean-up removes one whose checkpoint is gone.
+
+May import: the standard library only (the build functions bring their own imports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+import zlib
+from collections.abc import Callable
+
+__all__ = ["CONVERTED_SUFFIX", "cached_conversion", "converted_dir", "fingerprint"]
+
+#: The suffix of the directory that holds a checkpoint's conversions (``<checkpoint name><suffix>``).
+CONVERTED_SUFFIX = ".converted"
+_CHUNK = 1 << 22
+
+
+def converted_dir(source: str) -> str:
+    """Where the conversions of the checkpoint ``source`` (a file or a directory) are kept."""
+    return os.fspath(source).rstrip("/\\") + CONVERTED_SUFFIX
+
+
+def _files(top: str) -> dict[str, int]:
+    """Every file under ``top`` (or ``top`` itself when a file): relative path -> size."""
+    if os.path.isfile(top):
+        return {"": os.path.getsize(top)}
+    found: dict[str, int] = {}
+    for root, _dirs, names in os.walk(top):
+        for name in names:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, top)] = os.path.getsize(path)
+    return found
+
+
+def fingerprint(source: str) -> str:
+    """The identity of a checkpoint's bytes as cheaply as they can be told apart: each file's path, size and
+    modification time (a checkpoint is written once and never changed in place)."""
+    entries = []
+    for rel, size in sorted(_files(source).items()):
+        stat = os.stat(os.path.join(source, rel) if rel else source)
+        entries.append(f"{rel}:{size}:{stat.st_mtime_ns}")
+    return f"{zlib.crc32(chr(10).join(entries).encode()):08x}-{len(entries)}"
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _problem(target: str, manifest: str, source_print: str) -> str | None:
+    """Why the conversion at ``target`` cannot be used, or ``None``: every byte checked against its manifest."""
+    try:
+        with open(manifest) as f:
+            committed = json.load(f)
+    except (OSError, ValueError) as err:
+        return f"no readable manifest ({err})"
+    if committed.get("source") != source_print:
+        return "made from other bytes than the checkpoint has now"
+    files = committed.get("files")
+    if not isinstance(files, dict) or not os.path.exists(target):
+        return "its files are missing"
+    if set(_files(target)) != set(files):
+        return "its files are not those of its manifest"
+    for rel, (size, crc) in files.items():
+        path = os.path.join(target, rel) if rel else target
+        if os.path.getsize(path) != size or _crc32(path) != crc:
+            return f"{rel or os.path.basename(target)} does not match its manifest"
+    return None
+
+
+def cached_conversion(source: str, kind: str, build: Callable[[str], object]) -> tuple[str, str]:
+    """The conversion ``kind`` of ``source``: reused when committed and intact, else made by ``build`` and committed.
+
+    Call on one process at a time for a given ``source`` (the global rank zero); the others wait for it.
+
+    Args:
+        source: The checkpoint (file or directory).
+        kind: The conversion's name (``"universal"``, ``"full.ckpt"``): a directory or a file.
+        build: Writes the conversion at the path it is given (which does not exist yet).
+
+    Returns:
+        ``(path, how)``: where the conversion is, and ``"reused"`` or ``"made"`` (with why it was not reused
+        when one was there).
+
+    Raises:
+        Exception: whatever ``build`` raises (nothing is left behind).
+    """
+    root = converted_dir(source)
+    target, manifest = os.path.join(root, kind), os.path.join(root, f"{kind}.json")
+    source_print = fingerprint(source)
+    problem = _problem(target, manifest, source_print) if os.path.exists(manifest) else None
+    if os.path.exists(manifest) and problem is None:
+        return target, "reused"
+    for stale in (manifest, target):  # the manifest first: a conversion without one is never used
+        if os.path.isdir(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+        elif os.path.lexists(stale):
+            os.unlink(stale)
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp.{kind}.{uuid.uuid4().hex[:12]}")
+    try:
+        build(tmp)
+        files = {}
+        for rel, size in _files(tmp).items():
+            path = os.path.join(tmp, rel) if rel else tmp
+            _fsync(path)
+            files[rel] = [size, _crc32(path)]
+        os.rename(tmp, target)
+        _fsync(root)
+        data = json.dumps({"source": source_print, "kind": kind, "files": files}, sort_keys=True)
+        tmp_manifest = os.path.join(root, f".tmp.{kind}.json.{uuid.uuid4().hex[:12]}")
+        with open(tmp_manifest, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp_manifest, manifest)
+        _fsync(root)
+    except BaseException:
+        for leftover in (tmp, target):
+            if os.path.isdir(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif os.path.lexists(leftover):
+                os.unlink(leftover)
+        raise
+    return target, "made" + (f" (the one there was not used: {problem})" if problem else "")

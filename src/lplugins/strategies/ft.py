@@ -1,0 +1,281 @@
+"""``ft_ddp``: data parallelism across torchft replica groups; a lost replica does not stop the others.
+
+Each replica group is one process (one CPU, gloo) with its own Trainer. torchft's lighthouse decides,
+at every step, which replica groups take part (the quorum); gradients are averaged over them through
+torchft's fault-tolerant process group (``Manager.allreduce``); a replica group that was restarted
+receives the model and optimizer state from a healthy peer over the network (torchft's checkpoint
+transport, HTTP) and takes part again from its first step: nothing is read from disk. See
+``docs/ft.md``.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from lplugins.strategies import _ft_env
+from lplugins.strategies._ft_env import FTConfigError, ReplicaConfig
+
+__all__ = ["FTDDPStrategy"]
+
+
+def _seconds(name: str, value: float | timedelta) -> timedelta:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise FTConfigError(f"{name}={value!r} must be a positive number of seconds (or a timedelta).")
+    return timedelta(seconds=float(seconds))
+
+
+class FTDDPStrategy(SingleDeviceStrategy):
+    """Fault-tolerant data parallelism with torchft: one process per replica group, CPU (gloo).
+
+    Every optimizer step: the quorum is started before the step's forward pass (torchft computes it in
+    the background), the gradients are averaged over the replica groups in the quorum, then torchft
+    decides whether the step commits (``should_commit``). A step that does not commit (a peer died
+    during the all-reduce, fewer than ``min_replicas`` groups) leaves the parameters and the optimizer
+    state untouched on every group. A replica group joining (or rejoining after a restart) is sent the
+    model's and the optimizers' state by a healthy peer and applies it before its first step.
+
+    The job's step count is torchft's (``ft_step``), shared by every group: ``max_steps`` stops every
+    group after that many committed steps, wherever each one joined. Lightning's own ``global_step``
+    counts this process's steps since it (re)started.
+
+    Lightning's rank-zero utilities (its loggers, ``rank_zero_info``...) follow the leader: the
+    replica group of rank 0 in the current quorum, so a metric is logged once per step by one group.
+    Each group is a world of one process for Lightning (``world_size == 1``, ``is_global_zero``), so a
+    ``DurableCheckpoint`` writes each group's own checkpoints: give each group its own ``dirpath``
+    (``f"ckpts/replica_{replica_id}"``). They are the fallback when every group is lost: restart every
+    group from the same checkpoint (``ckpt_path=`` one group's newest); the job's step then goes on
+    from that checkpoint's ``global_step``.
+
+    Args:
+        lighthouse: The torchft lighthouse, ``http://host:port``; default ``TORCHFT_LIGHTHOUSE``.
+        replica_id: This group's id, ``0 .. num_replica_groups - 1``; default ``REPLICA_GROUP_ID``.
+        num_replica_groups: The number of replica groups; default ``NUM_REPLICA_GROUPS``.
+        min_replicas: The fewest groups a step commits with; default ``LPLUGINS_FT_MIN_REPLICAS``, else 1.
+        max_steps: Stop after this many steps committed by the job (``None``: Lightning's limits only).
+        timeout: Seconds for torchft's collectives, state transfer and commit calls.
+        quorum_timeout: Seconds to wait for a quorum.
+        init_sync: Whether every group starts from the state of one group (torchft's ``init_sync``);
+            ``False`` only when every group initialises its model identically (a fixed seed).
+        host: The address other groups reach this one at (its store); default ``socket.gethostname()``.
+        check_lighthouse: Connect to the lighthouse when built, so an unreachable one fails at once.
+        **kwargs: Passed to Lightning's ``SingleDeviceStrategy`` (``accelerator``, ``checkpoint_io``,
+            ``precision_plugin``).
+
+    Raises:
+        FTUnavailableError: torchft is not installed.
+        FTConfigError: the lighthouse is missing or unreachable, or a replica setting is out of range.
+    """
+
+    strategy_name = "ft_ddp"
+
+    def __init__(
+        self,
+        *,
+        lighthouse: str | None = None,
+        replica_id: int | None = None,
+        num_replica_groups: int | None = None,
+        min_replicas: int | None = None,
+        max_steps: int | None = None,
+        timeout: float | timedelta = 60.0,
+        quorum_timeout: float | timedelta = 60.0,
+        init_sync: bool = True,
+        host: str | None = None,
+        check_lighthouse: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        _ft_env.require("ft_ddp")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise FTConfigError(f"max_steps={max_steps!r} must be a positive int (or None).")
+        self.config: ReplicaConfig = _ft_env.replica_config(
+            lighthouse=lighthouse,
+            replica_id=replica_id,
+            num_replica_groups=num_replica_groups,
+            min_replicas=min_replicas,
+            check_reachable=check_lighthouse,
+        )
+        self.max_steps = max_steps
+        self._ft_timeout = _seconds("timeout", timeout)
+        self._quorum_timeout = _seconds("quorum_timeout", quorum_timeout)
+        self._init_sync = bool(init_sync)
+        self._host = host or socket.gethostname()
+        self._manager: Any = None
+        self._store: Any = None
+        self._pg: Any = None
+        self._last_step = 0
+        #: (torchft step, wall time) of each state this group received from a peer
+        self.recoveries: list[tuple[int, float]] = []
+        #: the last step: (the job's step it was, whether it committed, whether this group's gradients
+        #: counted, how many groups' gradients the mean was over)
+        self.last_step: tuple[int, bool, bool, int] | None = None
+        kwargs.setdefault("device", "cpu")
+        super().__init__(**kwargs)
+
+    # ----------------------------------------------------------------------------------- identity
+    @property
+    def replica_id(self) -> int:
+        """This replica group's id."""
+        return self.config.replica_id
+
+    @property
+    def num_replica_groups(self) -> int:
+        """The number of replica groups in the job."""
+        return self.config.num_replica_groups
+
+    @property
+    def manager(self) -> Any:
+        """The ``torchft.Manager`` of this group (``None`` before ``setup``)."""
+        return self._manager
+
+    @property
+    def ft_step(self) -> int:
+        """The job's committed steps (torchft's step), the same in every group of the quorum."""
+        return self._last_step if self._manager is None else int(self._manager.current_step())
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this group is rank 0 of the current quorum (it logs for the job)."""
+        return int(getattr(rank_zero_only, "rank", 0)) == 0
+
+    @property
+    def _module(self) -> Any:
+        module = self.lightning_module
+        if module is None:  # pragma: no cover - set by Lightning before any hook here runs
+            raise RuntimeError("ft_ddp: no LightningModule attached")
+        return module
+
+    # ------------------------------------------------------------------------------------ set up
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self.root_device.type != "cpu":
+            raise FTConfigError(
+                f"ft_ddp runs on CPU (gloo) in this release; got the device {self.root_device}. Use accelerator='cpu'."
+            )
+        super().setup(trainer)
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise FTConfigError(
+                    "ft_ddp does not support torch.optim.LBFGS: it evaluates its closure several times per "
+                    "step, and each evaluation would need its own fault-tolerant all-reduce."
+                )
+        self._set_leader(self.replica_id == 0)  # until the first quorum says otherwise
+        self._start_manager()
+
+    def _start_manager(self) -> None:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        from torchft import Manager, ProcessGroupGloo
+
+        # the group's store: its manager server registers there, and peers meet in it for the
+        # process group when this group is the quorum's first
+        self._store = TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
+        self._pg = ProcessGroupGloo(timeout=self._ft_timeout)
+        self._manager = Manager(
+            pg=self._pg,
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            min_replica_size=self.config.min_replicas,
+            use_async_quorum=True,
+            timeout=self._ft_timeout,
+            quorum_timeout=self._quorum_timeout,
+            connect_timeout=self._ft_timeout,
+            rank=0,
+            world_size=1,
+            store_addr=self._host,
+            store_port=int(self._store.port),
+            lighthouse_addr=self.config.lighthouse,
+            replica_id=f"replica_{self.replica_id}",
+            hostname=self._host,
+            init_sync=self._init_sync,
+        )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # resumed from disk (every group lost): the job's step goes on from the checkpoint's
+        step = int(self._module.trainer.global_step)
+        if step > 0 and self._manager is not None and self._manager.current_step() == 0:
+            self._manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def _state(self) -> dict[str, Any]:
+        """What a recovering peer receives: the model's and the optimizers' state (tensors are sent, not saved)."""
+        return {
+            "model": self._module.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self._module.load_state_dict(state["model"])
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        self.recoveries.append((int(self._manager.current_step()), time.time()))
+
+    # ------------------------------------------------------------------------------------ a step
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        manager = self._manager
+        if manager is None:  # pragma: no cover - Lightning steps only after setup
+            raise RuntimeError("ft_ddp: optimizer_step before setup")
+        manager.start_quorum()  # computed in the background while the closure runs forward/backward
+
+        def ft_closure() -> Any:
+            result = closure()
+            self._average_gradients(optimizer)
+            participating = bool(manager.is_participating())  # False while recovering: its gradients were zeroed
+            committed = manager.should_commit()  # a recovering group applies its peer's state here
+            step = int(manager.current_step()) - int(committed)
+            self.last_step = (step, bool(committed), participating, int(manager.num_participants()))
+            self._set_leader(manager.participating_rank() == 0)
+            if not committed:
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None  # torch optimizers skip a parameter without a gradient
+            return result
+
+        output = super().optimizer_step(optimizer, ft_closure, model, **kwargs)
+        if self.max_steps is not None and manager.current_step() >= self.max_steps:
+            self._module.trainer.should_stop = True
+        return output
+
+    def _average_gradients(self, optimizer: Any) -> None:
+        """One fault-tolerant all-reduce (the mean over the quorum) of every gradient the optimizer steps."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        for param in params:
+            if param.grad is None:  # every group sends the same layout
+                param.grad = torch.zeros_like(param)
+        grads = [param.grad for param in params]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        self._manager.allreduce(flat).wait()  # on an error torchft reports it and the step does not commit
+        if self._manager.errored() is not None and self._pg is not None:
+            # A peer died mid-collective. Only its neighbours in gloo's ring see the error; the others
+            # would wait in the collective until the timeout. Aborting closes this group's connections,
+            # so every survivor fails the step now and meets at the next quorum (which reconfigures).
+            self._pg.abort()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _set_leader(self, leader: bool) -> None:
+        # what Lightning's own strategies set at setup (DDPStrategy.set_world_ranks), here at every quorum
+        for function in (rank_zero_only, fabric_rank_zero_only):
+            setattr(function, "rank", 0 if leader else 1)  # noqa: B010 - a function attribute mypy does not know
+
+    # --------------------------------------------------------------------------------- tear down
+    @override
+    def teardown(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            self._last_step = int(manager.current_step())
+            manager.shutdown(wait=False)
+        self._store = None
+        super().teardown()
