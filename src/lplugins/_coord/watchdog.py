@@ -471,7 +471,9 @@ def _at_exit() -> None:
         faulthandler.cancel_dump_traceback_later()
         board = thread.board
         try:
-            verdict = faults.uneven(board, _seq() or 0, max(GOODBYE_WAIT_S, 6 * thread.interval), thread.interval)
+            board.read_failures()  # a failure on the board (e.g. a failed save): not a clean end, not uneven data
+            wait = max(GOODBYE_WAIT_S, 6 * thread.interval)
+            verdict = None if board.failures else faults.uneven(board, _seq() or 0, wait, thread.interval)
         except Exception:  # the store is gone: the others' collectives tell them
             verdict = None
         if verdict is not None:
