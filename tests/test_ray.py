@@ -101,7 +101,7 @@ def _trainer(strategy: str, **extra: Any) -> dict[str, Any]:
 
 def _reported(result: Any) -> list[dict[str, Any]]:
     """The pointers of every checkpoint Ray registered, oldest first."""
-    dirs = sorted(Path(result.path).glob("lplugins-*"))
+    dirs = sorted(Path(result.path).glob("lplugins-[0-9]*"))  # not lplugins-stacks/ (the watchdog's stack files)
     return [json.loads((d / "lplugins_checkpoint.json").read_text()) for d in dirs]
 
 

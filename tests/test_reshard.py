@@ -157,6 +157,7 @@ def _step_losses(per_rank: list[list[float]], window: int) -> list[float]:
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # covered by test_resume_matrix.py and test_accumulation_ddp.py (docs/architecture.md)
 @pytest.mark.timeout(600)
 def test_resume_on_another_world_size(tmp_path: Path) -> None:
     logs = {}
