@@ -3,22 +3,25 @@
 Side by side in one run, interleaved, ``--reps`` times each (median):
 
 * ``none``: stock Lightning, no checkpoint callback (the baseline);
-* ``continuous``: a new asynchronous save starts at the first step boundary after the previous one has
-  committed (``keep_last=2``);
-* ``continuous_same_priority`` (only with ``--same-priority``): continuous, with the background writer at
+* ``continuous``: the default: a new asynchronous save starts at the first step boundary after the previous
+  one has committed and the pacer's rest is over (``max_slowdown=0.03``; ``keep_last=2``);
+* ``continuous_unpaced``: ``max_slowdown=None``, a new save at the first boundary after each commit;
+* ``continuous_same_priority`` (only with ``--same-priority``): unpaced, with the background writer at
   the training thread's CPU priority instead of ``nice`` +10 (what lowering it buys on busy cores);
-* ``stock_every_step``: stock ``ModelCheckpoint(every_n_train_steps=1)`` for reference (what a user gets
-  today for "save every step": a synchronous save on rank 0 at every step).
+* ``stock_every_step`` (only with ``--stock``): stock ``ModelCheckpoint(every_n_train_steps=1)`` for
+  reference (what a user gets today for "save every step": a synchronous save on rank 0 at every step).
 
 A ~``--params-m`` million-parameter MLP with Adam (fp32: 12 bytes of state per parameter on every rank,
 written by rank 0). Figures: throughput of each vs ``none`` (steps per second after ``--warmup`` steps),
 the training thread's blocking time per continuous save (p50, p99) against ``state bytes / memcpy
 bandwidth`` measured in this run (one ``Tensor.copy_`` of the state's size, one thread), how many steps
 apart continuous saves landed, and rank 0's peak resident memory above the ``none`` run, over the state size.
+Throughput is also given from step ``--steady`` on (``*_steady_*``): after the first continuous save, which
+the pacer uses to time steps with a save in flight (a one-time cost).
 
 Usage::
 
-    python benchmarks/bench_continuous.py [--params-m 100] [--reps 5] [--steps 14] [--batch 8] [--dir DIR]
+    python benchmarks/bench_continuous.py [--params-m 100] [--reps 5] [--steps 100] [--batch 8] [--dir DIR]
 
 Ends with one line of JSON (units in the key names).
 """
@@ -37,11 +40,11 @@ import tempfile
 import time
 from typing import Any
 
-CONFIGS = ("none", "continuous", "stock_every_step", "continuous_same_priority")
+CONFIGS = ("none", "continuous", "continuous_unpaced", "stock_every_step", "continuous_same_priority")
 WIDTH = 4096
 
 
-def worker(config: str, params_m: float, steps: int, warmup: int, dirpath: str, batch: int) -> None:
+def worker(config: str, params_m: float, steps: int, warmup: int, steady: int, dirpath: str, batch: int) -> None:
     """One 2-rank fit (Lightning's launcher starts rank 1 by running this command again); prints per-rank JSON."""
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -87,7 +90,10 @@ def worker(config: str, params_m: float, steps: int, warmup: int, dirpath: str, 
 
         _background.WRITER_NICE = 0
     if config.startswith("continuous"):
-        durable = DurableCheckpoint(dirpath, continuous=True, async_save=True, keep_last=2, save_on_train_end=False)
+        paced = {} if config == "continuous" else {"max_slowdown": None}
+        durable = DurableCheckpoint(
+            dirpath, continuous=True, async_save=True, keep_last=2, save_on_train_end=False, **paced
+        )
         callbacks.append(durable)
     elif config == "stock_every_step":
         callbacks.append(ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"))
@@ -102,10 +108,12 @@ def worker(config: str, params_m: float, steps: int, warmup: int, dirpath: str, 
     after = resource.getrusage(resource.RUSAGE_SELF)
     state_bytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # weights + Adam's two moments
     timed = clock.ends[warmup:]
+    steady_timed = clock.ends[steady:]
     result = {
         "config": config,
         "rank": trainer.global_rank,
         "steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
+        "steady_steps_per_s": (len(steady_timed) - 1) / (steady_timed[-1] - steady_timed[0]),
         "peak_rss_bytes": after.ru_maxrss * 1024,
         "cpu_s": after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime,  # every thread of the rank
         "state_bytes": state_bytes,
@@ -135,7 +143,8 @@ def run(config: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
     dirpath = os.path.join(root, config)
     shutil.rmtree(dirpath, ignore_errors=True)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--params-m", str(args.params_m)]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--dir", dirpath, "--batch", str(args.batch)]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--steady", str(args.steady)]
+    cmd += ["--dir", dirpath, "--batch", str(args.batch)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -149,23 +158,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params-m", type=float, default=100.0, help="model size, millions of parameters")
     parser.add_argument("--reps", type=int, default=5, help="runs of each configuration (interleaved)")
-    parser.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the throughput")
+    parser.add_argument("--steady", type=int, default=15, help="first steps left out of the steady throughput")
     parser.add_argument("--batch", type=int, default=8, help="samples per step and rank (more: more compute per byte)")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--same-priority", action="store_true", help="also run continuous_same_priority")
+    parser.add_argument("--stock", action="store_true", help="also run stock_every_step (slow: a sync save per step)")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.params_m, args.steps, args.warmup, args.dir, args.batch)
+        worker(args.worker, args.params_m, args.steps, args.warmup, args.steady, args.dir, args.batch)
         return
-    if args.reps < 1 or args.steps < args.warmup + 3 or args.batch < 1:
+    if args.reps < 1 or args.steps < max(args.warmup, args.steady) + 3 or args.batch < 1:
         parser.error(
-            "--reps and --batch must be >= 1 and --steps >= --warmup + 3,"
+            "--reps and --batch must be >= 1 and --steps >= max(--warmup, --steady) + 3,"
             f" got {args.reps}, {args.batch} and {args.steps}"
         )
     root = args.dir or tempfile.mkdtemp(prefix="bench_continuous_")
-    configs = CONFIGS if args.same_priority else CONFIGS[:3]
+    configs = list(CONFIGS[:3])
+    configs += ["stock_every_step"] if args.stock else []
+    configs += ["continuous_same_priority"] if args.same_priority else []
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for rep in range(args.reps):
         for config in configs:
@@ -175,9 +188,13 @@ def main() -> None:
     state = runs["none"][0]["state_bytes"]
     bandwidth = memcpy_bandwidth(state)
     rate = {c: statistics.median(r["steps_per_s"] for r in runs[c]) for c in configs}
-    stalls = sorted(s for r in runs["continuous"] for s in r["stalls_s"][1:])  # the first save also builds buffers
+    steady = {c: statistics.median(r["steady_steps_per_s"] for r in runs[c]) for c in configs}
+    stalls = sorted(s for c in configs[1:3] for r in runs[c] for s in r["stalls_s"][1:])  # the first builds buffers
     p99 = stalls[min(len(stalls) - 1, round(0.99 * (len(stalls) - 1)))] if stalls else float("nan")
-    gaps = [b - a for r in runs["continuous"] for a, b in zip(r["saved_steps"], r["saved_steps"][1:], strict=False)]
+
+    def gaps(config: str) -> list[int]:
+        return [b - a for r in runs[config] for a, b in zip(r["saved_steps"], r["saved_steps"][1:], strict=False)]
+
     peak = statistics.median(r["peak_rss_bytes"] for r in runs["continuous"])
     base_peak = statistics.median(r["peak_rss_bytes"] for r in runs["none"])
     figures = {
@@ -187,8 +204,10 @@ def main() -> None:
         "steps": args.steps,
         "none_steps_per_s": round(rate["none"], 4),
         "continuous_throughput_ratio": round(rate["continuous"] / rate["none"], 3),
-        "stock_every_step_throughput_ratio": round(rate["stock_every_step"] / rate["none"], 3),
+        "continuous_steady_throughput_ratio": round(steady["continuous"] / steady["none"], 3),
+        "continuous_unpaced_throughput_ratio": round(rate["continuous_unpaced"] / rate["none"], 3),
         "continuous_saves_per_run": statistics.median(r["saves"] for r in runs["continuous"]),
+        "continuous_unpaced_saves_per_run": statistics.median(r["saves"] for r in runs["continuous_unpaced"]),
         "continuous_blocking_p50_ms": round(1e3 * statistics.median(stalls), 1) if stalls else None,
         "continuous_blocking_p99_ms": round(1e3 * p99, 1),
         "memcpy_gb_per_s": round(bandwidth / 1e9, 2),
@@ -203,10 +222,13 @@ def main() -> None:
             3,
         ),
     }
+    if args.stock:
+        figures["stock_every_step_throughput_ratio"] = round(rate["stock_every_step"] / rate["none"], 3)
     if args.same_priority:
         figures["continuous_same_priority_throughput_ratio"] = round(rate["continuous_same_priority"] / rate["none"], 3)
-    if gaps:
-        figures["continuous_median_steps_between_saves"] = statistics.median(gaps)
+    for config in configs[1:3]:
+        if gaps(config):
+            figures[f"{config}_median_steps_between_saves"] = statistics.median(gaps(config))
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(figures))

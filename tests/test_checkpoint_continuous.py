@@ -104,7 +104,7 @@ def test_a_new_save_starts_at_the_first_boundary_after_the_previous_commit(
 ) -> None:
     held = HeldWrites(hold=3)
     monkeypatch.setattr(CheckpointWriter, "write_file", lambda self, record, ckpt: held.write_file(self, record, ckpt))
-    cb = DurableCheckpoint(tmp_path, continuous=True, async_save=True, keep_last=2)
+    cb = DurableCheckpoint(tmp_path, continuous=True, async_save=True, keep_last=2, max_slowdown=None)
     trainer = Trainer(max_steps=11, callbacks=[cb, Releaser(held)], **QUIET)
     trainer.fit(Regression(), regression_loader(64, batch_size=4))
 
@@ -120,7 +120,9 @@ def test_a_new_save_starts_at_the_first_boundary_after_the_previous_commit(
 
 
 def test_continuous_saves_every_step_when_writes_keep_up(tmp_path: Path) -> None:
-    cb = DurableCheckpoint(tmp_path, continuous=True, async_save=True, keep_last=1, save_on_train_end=False)
+    cb = DurableCheckpoint(
+        tmp_path, continuous=True, async_save=True, keep_last=1, save_on_train_end=False, max_slowdown=None
+    )
     slow = SlowSteps(0.2)  # a write of this tiny model takes a few ms
     Trainer(max_steps=5, callbacks=[cb, slow], **QUIET).fit(Regression(), regression_loader(64, batch_size=4))
     # every boundary but those whose previous write was (rarely) still running
@@ -134,6 +136,51 @@ class SlowSteps(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         threading.Event().wait(self.seconds)
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1, 1.5, float("nan"), float("inf"), "0.05", True])
+def test_a_max_slowdown_outside_zero_to_one_is_refused_naming_it(value: Any) -> None:
+    with pytest.raises(CheckpointConfigError, match=r"max_slowdown="):
+        DurableCheckpoint(continuous=True, async_save=True, max_slowdown=value)
+
+
+class SlowerWhileSaving(Callback):
+    """Steps take ``quiet`` seconds, ``busy`` while a save is being written (a write competing with training)."""
+
+    def __init__(self, quiet: float, busy: float) -> None:
+        self.quiet, self.busy = quiet, busy
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        queue = next(c for c in trainer.callbacks if isinstance(c, DurableCheckpoint))._writer._queue  # type: ignore[union-attr]
+        time.sleep(self.busy if queue is not None and queue.in_flight else self.quiet)
+
+
+@pytest.mark.parametrize("max_slowdown", [0.05, None])
+def test_continuous_saves_rest_as_long_as_their_cost_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, max_slowdown: float | None
+) -> None:
+    """Writes of 0.1 s that make steps 10x slower (10 -> 100 ms): within a 5 % budget the pacer rests about
+    2 s (``0.2 * (0.9 / 0.05 - 1)``) after each save once it has timed both kinds of step; None never rests."""
+
+    def slow_write(writer: CheckpointWriter, record: Record, checkpoint: dict[str, Any]) -> None:
+        time.sleep(0.1)
+        ORIGINAL_WRITE(writer, record, checkpoint)
+
+    monkeypatch.setattr(CheckpointWriter, "write_file", slow_write)
+    cb = DurableCheckpoint(
+        tmp_path, continuous=True, async_save=True, keep_last=1, save_on_train_end=False, max_slowdown=max_slowdown
+    )
+    with caplog.at_level("INFO"):
+        Trainer(max_steps=50, callbacks=[cb, SlowerWhileSaving(0.01, 0.1)], **QUIET).fit(
+            Regression(), regression_loader(256, batch_size=4)
+        )
+    said = [r.getMessage() for r in caplog.records if "a step takes" in r.getMessage()]
+    if max_slowdown is None:
+        assert len(cb.save_stalls) >= 10 and not said  # a new save at the first boundary after each commit
+    else:
+        # saves until 3 steps of each kind are timed (at least 1 per save), then one rest covers the rest
+        assert 2 <= len(cb.save_stalls) <= 5, len(cb.save_stalls)
+        assert len(said) == 1 and "at most 5% of throughput (max_slowdown=0.05" in said[0], said
 
 
 def test_continuous_is_announced_once_on_rank_zero(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lplugins.callbacks._background import BackgroundQueue
 from lplugins.callbacks._errors import CheckpointWriteError
+from lplugins.callbacks._pacing import Pacer
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._retention import Ledger
 from lplugins.callbacks._writer import CheckpointWriter
@@ -209,11 +210,16 @@ class AsyncWriter(CheckpointWriter):
         crc32: Compute the CRC32 of the files while writing them.
         max_in_flight: The most saves queued or being written; a save beyond it waits for the oldest.
         writes: Whether this rank writes (rank 0); other ranks only take part in the collectives.
+        max_slowdown: Continuous mode's budget (:class:`~lplugins.callbacks._pacing.Pacer`): :meth:`busy` is
+            also true while resting after a commit. None: no rest.
     """
 
-    def __init__(self, ledger: Ledger, crc32: bool, max_in_flight: int, writes: bool) -> None:
+    def __init__(
+        self, ledger: Ledger, crc32: bool, max_in_flight: int, writes: bool, max_slowdown: float | None = None
+    ) -> None:
         super().__init__(ledger, crc32)
         self._queue = BackgroundQueue(max_in_flight) if writes else None
+        self._pacer = Pacer(max_slowdown) if writes and max_slowdown is not None else None
         self._pool: BufferPool | None = BufferPool(1) if writes else None
         self._copy: DeferredCopy | None = None
         self._eager = False
@@ -238,6 +244,8 @@ class AsyncWriter(CheckpointWriter):
                 pool.give(used)
 
         self._copy = copy
+        if self._pacer is not None:
+            self._pacer.started(time.monotonic())
         self._queue.submit(job)
 
     def complete_snapshot(self) -> float | None:
@@ -258,7 +266,13 @@ class AsyncWriter(CheckpointWriter):
         return self._queue is not None and self._queue.failed
 
     def busy(self) -> bool:
-        return self._queue is not None and self._queue.in_flight > 0
+        """Whether a save is in flight, or continuous mode rests (called once per step boundary)."""
+        in_flight = self._queue is not None and self._queue.in_flight > 0
+        if self._pacer is None:
+            return in_flight
+        now = time.monotonic()
+        self._pacer.boundary(now, in_flight)
+        return in_flight or self._pacer.resting(now)
 
     def raise_failure(self) -> NoReturn:
         if self._queue is not None and self._queue.failed:

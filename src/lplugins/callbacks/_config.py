@@ -43,6 +43,7 @@ class CheckpointConfig:
     mode: str = "min"
     async_save: bool = False
     continuous: bool = False
+    max_slowdown: float | None = 0.03
     max_in_flight: int = 1
     preemption_signals: Sequence[str | int | signal.Signals] = field(default=("SIGTERM", "SIGUSR1"))
     preemption_exit_code: int | None = PREEMPTED_EXIT_CODE
@@ -103,6 +104,12 @@ class CheckpointConfig:
                 f"{_OWNER}: continuous=True with keep_last=None would keep a checkpoint of nearly every step and"
                 " fill the disk; set keep_last to how many of the newest to keep (at least 1: a checkpoint is"
                 " deleted only after a newer one has committed)."
+            )
+        positive_number("max_slowdown", self.max_slowdown, optional=True, error=CheckpointConfigError, owner=_OWNER)
+        if self.max_slowdown is not None and self.max_slowdown >= 1:
+            raise CheckpointConfigError(
+                f"{_OWNER}: max_slowdown={self.max_slowdown!r} is not allowed; it must be a fraction of throughput"
+                " in (0, 1), e.g. 0.05, or None (continuous saves never rest)."
             )
         code = self.preemption_exit_code
         if code is not None and (not is_int(code) or not 0 <= code <= 255):

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lplugins.callbacks._collective import agree_on_failure
-from lplugins.callbacks._errors import CheckpointWriteError
+from lplugins.callbacks._errors import CheckpointConfigError, CheckpointWriteError
 from lplugins.callbacks._record import TMP_PREFIX, Record, now
 from lplugins.callbacks._resume import SafeResumeIO
 from lplugins.callbacks._retention import Ledger
@@ -30,7 +30,7 @@ from lplugins.callbacks._verify import crc32_of
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-__all__ = ["CheckpointWriter", "StrategyWriter", "SyncWriter", "writes_itself"]
+__all__ = ["CheckpointWriter", "StrategyWriter", "SyncWriter", "refuse_continuous", "writes_itself"]
 
 
 class CheckpointWriter(ABC):
@@ -70,7 +70,7 @@ class CheckpointWriter(ABC):
         return False
 
     def busy(self) -> bool:
-        """Whether a save of this rank's is still being written (not committed yet); a synchronous writer never is."""
+        """Whether a save of this rank's is still being written (or continuous mode rests); a sync writer never is."""
         return False
 
     def raise_failure(self) -> NoReturn:
@@ -253,3 +253,13 @@ def writes_itself(trainer: Trainer) -> bool:
     io = trainer.strategy.checkpoint_io
     inner = io.inner if isinstance(io, SafeResumeIO) else io
     return type(trainer.strategy).save_checkpoint is Strategy.save_checkpoint and type(inner) is TorchCheckpointIO
+
+
+def refuse_continuous(trainer: Trainer) -> None:
+    """Raise :class:`CheckpointConfigError` for ``continuous=True`` when the strategy writes its own checkpoints."""
+    if not writes_itself(trainer):
+        raise CheckpointConfigError(
+            f"DurableCheckpoint(continuous=True): {type(trainer.strategy).__name__} (or its checkpoint_io) writes"
+            " its own checkpoints, synchronously, so a save at every chance would stall every step. Use"
+            " every_n_steps or every_n_seconds with it, or a strategy whose checkpoint rank 0 writes (DDP)."
+        )
