@@ -247,30 +247,37 @@ print(json.dumps({"rank": trainer.global_rank, "step": trainer.global_step, "epo
 
 
 @pytest.mark.timeout(180)
-def test_ddp_continuous_saves_are_taken_by_every_rank_together_and_resume(tmp_path: Path) -> None:
-    """Only rank 0 writes, so only rank 0 knows when its write has committed: the ranks agree on each
-    continuous save in the step's collective (a rank that disagreed would wait in the save's gather)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_continuous_saves_are_taken_by_every_rank_together_and_resume(tmp_path: Path, strategy: str) -> None:
+    """Only rank 0 writes, so only rank 0 knows when its write has committed (and whether it rests): the ranks
+    agree on each continuous save in the step's collective (a rank that disagreed would wait in the save's
+    gather). FSDP2's full-state checkpoint is gathered to rank 0, which writes it in the background as DDP's."""
     source = (
-        COMMON
+        COMMON.replace('strategy="ddp"', "strategy=STRATEGY")
         + r"""
 import time
 class Slow(pl.Callback):  # steps slower than a write of this model: most boundaries save
     def on_train_batch_end(self, trainer, *args):
         time.sleep(0.05)
 
+STRATEGY = sys.argv[1]
+if STRATEGY == "fsdp2":
+    from lplugins.strategies import FSDP2Strategy
+    STRATEGY = FSDP2Strategy()
 cb = DurableCheckpoint("ckpts", continuous=True, async_save=True, keep_last=2)
 t = trainer(cb, max_steps=12)
 t.callbacks.append(Slow())
 t.fit(M(), loader())
 first = len(cb.save_stalls)
 cb2 = DurableCheckpoint("ckpts", continuous=True, async_save=True, keep_last=2)
+STRATEGY = FSDP2Strategy() if sys.argv[1] == "fsdp2" else "ddp"
 t2 = trainer(cb2, max_steps=16)
 t2.fit(M(), loader(), ckpt_path="latest")
 print(json.dumps({"rank": t.global_rank, "saves": first, "resumed": os.path.basename(t2.ckpt_path or ""),
                   "committed": [os.path.basename(p) for p in cb2.committed]}))
 """
     )
-    result = run_together(source, tmp_path).check()
+    result = run_together(source, tmp_path, args=[strategy]).check()
     by_rank = {o["rank"]: o for o in result.json_objects() if "saves" in o}
     assert set(by_rank) == {0, 1}
     assert by_rank[0]["saves"] == by_rank[1]["saves"] >= 3  # the same saves on both ranks

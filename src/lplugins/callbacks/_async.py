@@ -187,14 +187,16 @@ class BufferPool:
 def stable_storages(trainer: Trainer) -> frozenset[int]:
     """Storage addresses of the CPU parameters and optimizer state: they change only in the optimizer step."""
     out: set[int] = set()
-    for p in trainer.lightning_module.parameters():
-        if p.device.type == "cpu":
-            out.add(p.untyped_storage().data_ptr())
+    tensors: list[torch.Tensor] = list(trainer.lightning_module.parameters())
     for optimizer in trainer.optimizers:
         for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                    out.add(value.untyped_storage().data_ptr())
+            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    for t in tensors:
+        if t.device.type == "cpu":
+            try:
+                out.add(t.untyped_storage().data_ptr())
+            except RuntimeError:  # no storage of its own (a DTensor: FSDP2 saves a gathered copy instead)
+                pass
     out.discard(0)
     return frozenset(out)
 

@@ -24,7 +24,7 @@ from collections import deque
 
 from lplugins._log import announce
 
-__all__ = ["Pacer"]
+__all__ = ["Pacer", "announce_continuous"]
 
 #: Steps of each kind (a save in flight or not) timed before the rest follows the measured slowdown.
 MIN_SAMPLES = 3
@@ -115,3 +115,16 @@ class Pacer:
                 self.max_slowdown,
             )
         return rest
+
+
+def announce_continuous(dirpath: str | None, keep_last: int | None, max_slowdown: float | None) -> None:
+    """Say once, on rank zero, that a ``DurableCheckpoint`` saves continuously, and how it paces its saves."""
+    announce(
+        "lplugins: DurableCheckpoint(%s) saves continuously: a new asynchronous save starts at the first step"
+        " boundary after the previous one has committed (keeping the newest %s), %s.",
+        dirpath,
+        keep_last,
+        "never resting (max_slowdown=None)"
+        if max_slowdown is None
+        else f"resting between saves as long as keeps their cost within {max_slowdown:g} of throughput (max_slowdown)",
+    )

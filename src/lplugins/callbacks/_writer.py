@@ -246,13 +246,23 @@ def _os_error_in(err: BaseException) -> OSError | None:
 
 
 def writes_itself(trainer: Trainer) -> bool:
-    """Whether a plain ``torch.save`` on rank 0 is exactly what the strategy would write."""
+    """Whether a plain ``torch.save`` on rank 0 is exactly what the strategy would write.
+
+    True for a strategy that keeps Lightning's ``Strategy.save_checkpoint``, and for one that says so with a
+    true ``writes_one_file_on_rank_zero`` attribute (:class:`~lplugins.strategies.FSDP2Strategy` with its
+    default full-state checkpoints: the state is gathered to rank 0, which saves it as one file); either with
+    Lightning's own ``TorchCheckpointIO``.
+    """
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.strategies import Strategy
 
-    io = trainer.strategy.checkpoint_io
+    strategy = trainer.strategy
+    io = strategy.checkpoint_io
     inner = io.inner if isinstance(io, SafeResumeIO) else io
-    return type(trainer.strategy).save_checkpoint is Strategy.save_checkpoint and type(inner) is TorchCheckpointIO
+    plain = type(strategy).save_checkpoint is Strategy.save_checkpoint
+    return (plain or getattr(strategy, "writes_one_file_on_rank_zero", False) is True) and type(
+        inner
+    ) is TorchCheckpointIO
 
 
 def refuse_continuous(trainer: Trainer) -> None:

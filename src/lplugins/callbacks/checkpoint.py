@@ -25,6 +25,7 @@ from lplugins.callbacks._async import AsyncWriter
 from lplugins.callbacks._claim import DirectoryClaim, claim_directory
 from lplugins.callbacks._collective import any_rank, broadcast, gather, writable_on_every_rank
 from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
+from lplugins.callbacks._pacing import announce_continuous
 from lplugins.callbacks._position import DataPosition
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
@@ -71,7 +72,8 @@ class DurableCheckpoint(Checkpoint):
             after the previous one has committed and rested (``max_slowdown``; every rank agrees in the
             step's existing collective). Combines with the other triggers; needs ``async_save=True`` and a
             ``keep_last`` (see ``docs/checkpoint.md``, "Continuous checkpointing"). A strategy that writes its
-            own sharded checkpoints (FSDP2, DeepSpeed) saves synchronously and is refused at ``fit``.
+            own sharded checkpoints (DeepSpeed, FSDP2's ``save_distributed_checkpoint=True``) saves synchronously
+            and is refused at ``fit``; FSDP2's default full-state file is written by rank 0 as DDP's.
         max_slowdown: With ``continuous``, the most throughput saving may cost (``0.03``: 3 %): the writing
             rank times its steps with and without a save in flight and rests between saves as long as that
             takes (said once on rank zero). ``None``: never rest.
@@ -261,14 +263,7 @@ class DurableCheckpoint(Checkpoint):
                 )
             return StrategyWriter(ledger, self.config.crc32).describe(trainer)
         if self.config.continuous:
-            announce(
-                "lplugins: DurableCheckpoint(%s) saves continuously: a new asynchronous save starts at the first step"
-                " boundary after the previous one has committed (keeping the newest %d), resting between saves only"
-                " as needed to keep their cost within max_slowdown=%s of throughput.",
-                self.dirpath,
-                self.config.keep_last,
-                self.config.max_slowdown,
-            )
+            announce_continuous(self.dirpath, self.config.keep_last, self.config.max_slowdown)
         if self.config.async_save:
             writer: CheckpointWriter = AsyncWriter(
                 ledger, self.config.crc32, self.config.max_in_flight, writes=trainer.is_global_zero,

@@ -10,10 +10,12 @@ that shards the model itself when the module has no ``configure_model``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -88,6 +90,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         )
         self.shard = tuple(shard) if shard is not None else None
         self.reshard_after_forward = reshard_after_forward
+        #: A full-state checkpoint is the gathered state saved as one file by rank 0, exactly as a plain
+        #: ``torch.save`` there (``DurableCheckpoint`` may then write it itself, in the background).
+        self.writes_one_file_on_rank_zero = not save_distributed_checkpoint
 
     def setup_environment(self) -> None:
         _lightning.shard_over_all_ranks(self)  # Lightning's "auto" shards over nodes only
@@ -121,10 +126,35 @@ class FSDP2Strategy(ModelParallelStrategy):
         Raises:
             UnsafeCheckpointError: the checkpoint holds a type outside the allow-list (file and type named).
         """
-        checkpoint: dict[str, Any] = _lightning.load_weights_only(
-            self, super().load_checkpoint, checkpoint_path, weights_only
-        )
+        stateless = _stateless_optimizers(checkpoint_path, len(self.optimizers))
+        optimizers = self.optimizers
+        if stateless:  # Lightning and torch cannot load an empty full optimizer state: the groups are set below
+            self.optimizers = []
+        try:
+            checkpoint: dict[str, Any] = _lightning.load_weights_only(
+                self, super().load_checkpoint, checkpoint_path, weights_only
+            )
+        finally:
+            self.optimizers = optimizers
+        saved_states = checkpoint.get("optimizer_states", []) if stateless else []
+        for optimizer, saved in zip(optimizers, saved_states, strict=False):
+            for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+                group.update({key: value for key, value in saved_group.items() if key != "params"})
         return checkpoint
+
+
+def _stateless_optimizers(path: Any, count: int) -> bool:
+    """Whether ``path`` is a full checkpoint file whose ``count`` optimizer states hold no per-parameter state
+    (plain SGD): ``set_optimizer_state_dict`` needs a tensor to broadcast from rank 0, and Lightning's re-keying
+    indexes the first entry, so such a state would fail to load (only its hyperparameters are restored then).
+    Read memory-mapped: no tensor data is read here."""
+    if not count or not os.path.isfile(path):
+        return False
+    try:
+        states = torch.load(path, mmap=True, map_location="cpu", weights_only=True).get("optimizer_states", [])
+    except Exception:  # unreadable or unsafe: the strategy's own load says why
+        return False
+    return len(states) == count and all(not state.get("state") for state in states)
 
 
 def _sharded_by_strategy() -> None:

@@ -19,6 +19,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 
 from lplugins.callbacks._background import BackgroundQueue
 from lplugins.callbacks._errors import CheckpointWriteError
+from lplugins.callbacks._pacing import Pacer
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._retention import Ledger
 from lplugins._pl.callbacks._writer import CheckpointWriter
@@ -187,14 +188,16 @@ class BufferPool:
 def stable_storages(trainer: Trainer) -> frozenset[int]:
     """Storage addresses of the CPU parameters and optimizer state: they change only in the optimizer step."""
     out: set[int] = set()
-    for p in trainer.lightning_module.parameters():
-        if p.device.type == "cpu":
-            out.add(p.untyped_storage().data_ptr())
+    tensors: list[torch.Tensor] = list(trainer.lightning_module.parameters())
     for optimizer in trainer.optimizers:
         for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                    out.add(value.untyped_storage().data_ptr())
+            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    for t in tensors:
+        if t.device.type == "cpu":
+            try:
+                out.add(t.untyped_storage().data_ptr())
+            except RuntimeError:  # no storage of its own (a DTensor: FSDP2 saves a gathered copy instead)
+                pass
     out.discard(0)
     return frozenset(out)
 
@@ -210,11 +213,16 @@ class AsyncWriter(CheckpointWriter):
         crc32: Compute the CRC32 of the files while writing them.
         max_in_flight: The most saves queued or being written; a save beyond it waits for the oldest.
         writes: Whether this rank writes (rank 0); other ranks only take part in the collectives.
+        max_slowdown: Continuous mode's budget (:class:`~lplugins.callbacks._pacing.Pacer`): :meth:`busy` is
+            also true while resting after a commit. None: no rest.
     """
 
-    def __init__(self, ledger: Ledger, crc32: bool, max_in_flight: int, writes: bool) -> None:
+    def __init__(
+        self, ledger: Ledger, crc32: bool, max_in_flight: int, writes: bool, max_slowdown: float | None = None
+    ) -> None:
         super().__init__(ledger, crc32)
         self._queue = BackgroundQueue(max_in_flight) if writes else None
+        self._pacer = Pacer(max_slowdown) if writes and max_slowdown is not None else None
         self._pool: BufferPool | None = BufferPool(1) if writes else None
         self._copy: DeferredCopy | None = None
         self._eager = False
@@ -239,6 +247,8 @@ class AsyncWriter(CheckpointWriter):
                 pool.give(used)
 
         self._copy = copy
+        if self._pacer is not None:
+            self._pacer.started(time.monotonic())
         self._queue.submit(job)
 
     def complete_snapshot(self) -> float | None:
@@ -259,7 +269,13 @@ class AsyncWriter(CheckpointWriter):
         return self._queue is not None and self._queue.failed
 
     def busy(self) -> bool:
-        return self._queue is not None and self._queue.in_flight > 0
+        """Whether a save is in flight, or continuous mode rests (called once per step boundary)."""
+        in_flight = self._queue is not None and self._queue.in_flight > 0
+        if self._pacer is None:
+            return in_flight
+        now = time.monotonic()
+        self._pacer.boundary(now, in_flight)
+        return in_flight or self._pacer.resting(now)
 
     def raise_failure(self) -> NoReturn:
         if self._queue is not None and self._queue.failed:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from lplugins.callbacks._collective import agree_on_failure
-from lplugins.callbacks._errors import CheckpointWriteError
+from lplugins.callbacks._errors import CheckpointConfigError, CheckpointWriteError
 from lplugins.callbacks._record import TMP_PREFIX, Record, now
 from lplugins._pl.callbacks._resume import SafeResumeIO
 from lplugins.callbacks._retention import Ledger
@@ -31,7 +31,7 @@ from lplugins.callbacks._verify import crc32_of
 if TYPE_CHECKING:
     from pytorch_lightning import Trainer
 
-__all__ = ["CheckpointWriter", "StrategyWriter", "SyncWriter", "writes_itself"]
+__all__ = ["CheckpointWriter", "StrategyWriter", "SyncWriter", "refuse_continuous", "writes_itself"]
 
 
 class CheckpointWriter(ABC):
@@ -71,7 +71,7 @@ class CheckpointWriter(ABC):
         return False
 
     def busy(self) -> bool:
-        """Whether a save of this rank's is still being written (not committed yet); a synchronous writer never is."""
+        """Whether a save of this rank's is still being written (or continuous mode rests); a sync writer never is."""
         return False
 
     def raise_failure(self) -> NoReturn:
@@ -247,10 +247,30 @@ def _os_error_in(err: BaseException) -> OSError | None:
 
 
 def writes_itself(trainer: Trainer) -> bool:
-    """Whether a plain ``torch.save`` on rank 0 is exactly what the strategy would write."""
+    """Whether a plain ``torch.save`` on rank 0 is exactly what the strategy would write.
+
+    True for a strategy that keeps Lightning's ``Strategy.save_checkpoint``, and for one that says so with a
+    true ``writes_one_file_on_rank_zero`` attribute (:class:`~lplugins._pl.strategies.FSDP2Strategy` with its
+    default full-state checkpoints: the state is gathered to rank 0, which saves it as one file); either with
+    Lightning's own ``TorchCheckpointIO``.
+    """
     from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
     from pytorch_lightning.strategies import Strategy
 
-    io = trainer.strategy.checkpoint_io
+    strategy = trainer.strategy
+    io = strategy.checkpoint_io
     inner = io.inner if isinstance(io, SafeResumeIO) else io
-    return type(trainer.strategy).save_checkpoint is Strategy.save_checkpoint and type(inner) is TorchCheckpointIO
+    plain = type(strategy).save_checkpoint is Strategy.save_checkpoint
+    return (plain or getattr(strategy, "writes_one_file_on_rank_zero", False) is True) and type(
+        inner
+    ) is TorchCheckpointIO
+
+
+def refuse_continuous(trainer: Trainer) -> None:
+    """Raise :class:`CheckpointConfigError` for ``continuous=True`` when the strategy writes its own checkpoints."""
+    if not writes_itself(trainer):
+        raise CheckpointConfigError(
+            f"DurableCheckpoint(continuous=True): {type(trainer.strategy).__name__} (or its checkpoint_io) writes"
+            " its own checkpoints, synchronously, so a save at every chance would stall every step. Use"
+            " every_n_steps or every_n_seconds with it, or a strategy whose checkpoint rank 0 writes (DDP)."
+        )

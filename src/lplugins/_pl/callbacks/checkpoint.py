@@ -26,7 +26,7 @@ from lplugins._pl.callbacks._async import AsyncWriter
 from lplugins.callbacks._claim import DirectoryClaim, claim_directory
 from lplugins.callbacks._collective import any_rank, broadcast, gather, writable_on_every_rank
 from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
-from lplugins.callbacks._errors import CheckpointConfigError
+from lplugins.callbacks._pacing import announce_continuous
 from lplugins._pl.callbacks._position import DataPosition
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
@@ -35,7 +35,7 @@ from lplugins.callbacks._retention import Ledger
 from lplugins.callbacks._storage import canonical_dirpath
 from lplugins.callbacks._storages import open_storage
 from lplugins._pl.callbacks._triggers import Due
-from lplugins._pl.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, writes_itself
+from lplugins._pl.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, refuse_continuous, writes_itself
 
 __all__ = ["DurableCheckpoint"]
 
@@ -70,11 +70,14 @@ class DurableCheckpoint(Checkpoint):
             the parameters and optimizer state (on CPU) are made while the next forward and backward
             run, and finished before the next optimizer step changes them (see ``docs/checkpoint.md``).
         continuous: Save continuously: with ``async_save``, a new save starts at the first step boundary
-            after the previous one has committed (on the writing rank; every rank agrees in the step's
-            existing collective), so the newest checkpoint is never more than about one write behind.
-            Combines with the other triggers; needs ``async_save=True`` and a ``keep_last`` (see
-            ``docs/checkpoint.md``, "Continuous checkpointing"). A strategy that writes its own sharded
-            checkpoints (FSDP2, DeepSpeed) saves synchronously and is refused at ``fit``.
+            after the previous one has committed and rested (``max_slowdown``; every rank agrees in the
+            step's existing collective). Combines with the other triggers; needs ``async_save=True`` and a
+            ``keep_last`` (see ``docs/checkpoint.md``, "Continuous checkpointing"). A strategy that writes its
+            own sharded checkpoints (DeepSpeed, FSDP2's ``save_distributed_checkpoint=True``) saves synchronously
+            and is refused at ``fit``; FSDP2's default full-state file is written by rank 0 as DDP's.
+        max_slowdown: With ``continuous``, the most throughput saving may cost (``0.03``: 3 %): the writing
+            rank times its steps with and without a save in flight and rests between saves as long as that
+            takes (said once on rank zero). ``None``: never rest.
         max_in_flight: With ``async_save``, the most saves queued or being written; a save beyond it
             waits for the oldest to finish.
         preemption_signals: Signals that trigger one coordinated save and a clean exit (any rank may
@@ -116,8 +119,8 @@ class DurableCheckpoint(Checkpoint):
     Raises:
         CheckpointClaimError: (an ``OSError``, at ``fit``) another live job holds ``dirpath`` (see ``take_over``).
         CheckpointConfigError: (a ``ValueError``) an interval, ``keep_last``, ``keep_top``, ``max_in_flight``,
-            ``mode``, ``monitor``, ``verify``, ``filename``, ``dirpath`` (empty or not a path), a bool argument
-            that is not a real ``bool``, or a signal is invalid or cannot be caught (``SIGKILL``, ``SIGSTOP``);
+            ``max_slowdown``, ``mode``, ``monitor``, ``verify``, ``filename``, ``dirpath`` (empty or not a path), a
+            bool that is not a real ``bool``, or a signal is invalid or uncatchable (``SIGKILL``, ``SIGSTOP``);
             ``continuous=True`` without ``async_save=True`` or with ``keep_last=None``; at ``fit``,
             ``continuous=True`` with a strategy that writes its own checkpoints. The message names the argument.
 
@@ -138,6 +141,7 @@ class DurableCheckpoint(Checkpoint):
     mode = ConfigField[str]()
     async_save = ConfigField[bool]()
     continuous = ConfigField[bool]()
+    max_slowdown = ConfigField[float | None]()
     max_in_flight = ConfigField[int]()
     preemption_signals = ConfigField[tuple[int, ...]]()
     preemption_exit_code = ConfigField[int | None]()
@@ -162,6 +166,7 @@ class DurableCheckpoint(Checkpoint):
         mode: str = "min",
         async_save: bool = False,
         continuous: bool = False,
+        max_slowdown: float | None = 0.03,
         max_in_flight: int = 1,
         preemption_signals: Sequence[str | int | signal.Signals] = ("SIGTERM", "SIGUSR1"),
         preemption_exit_code: int | None = PREEMPTED_EXIT_CODE,
@@ -175,7 +180,7 @@ class DurableCheckpoint(Checkpoint):
         self.config = CheckpointConfig(
             every_n_steps=every_n_steps, every_n_seconds=every_n_seconds, every_n_epochs=every_n_epochs,
             save_on_train_end=save_on_train_end, keep_last=keep_last, keep_top=keep_top, monitor=monitor, mode=mode,
-            async_save=async_save, continuous=continuous, max_in_flight=max_in_flight,
+            async_save=async_save, continuous=continuous, max_slowdown=max_slowdown, max_in_flight=max_in_flight,
             preemption_signals=preemption_signals, preemption_exit_code=preemption_exit_code,
             slurm_requeue=slurm_requeue, verify=verify, crc32=crc32,
             filename=filename, auto_insert_metric_name=auto_insert_metric_name, take_over=take_over,
@@ -235,17 +240,11 @@ class DurableCheckpoint(Checkpoint):
             self._resolver = LatestResolver(trainer, dirpath, deep=self.config.verify == "deep")
         self._resolver.forget = self._ledger.forget  # a checkpoint quarantined at load leaves the ledger
         self._resolver.install()
-        understand_ckpt_path(
-            trainer, DurableCheckpoint
-        )  # for the next fit/validate/test (a no-op if done in Trainer())
+        understand_ckpt_path(trainer, DurableCheckpoint)  # for the next fit/validate/test (no-op if done in Trainer())
         if stage != "fit":
             return
-        if self.config.continuous and not writes_itself(trainer):  # before the directory is claimed
-            raise CheckpointConfigError(
-                f"DurableCheckpoint(continuous=True): {type(trainer.strategy).__name__} (or its checkpoint_io) writes"
-                " its own checkpoints, synchronously, so a save at every chance would stall every step. Use"
-                " every_n_steps or every_n_seconds with it, or a strategy whose checkpoint rank 0 writes (DDP)."
-            )
+        if self.config.continuous:
+            refuse_continuous(trainer)  # before the directory is claimed
         writable_on_every_rank(trainer, storage)
         self._claim = claim_directory(trainer, storage, self.config.take_over)  # before touching the directory
         if trainer.is_global_zero:
@@ -265,16 +264,12 @@ class DurableCheckpoint(Checkpoint):
                 )
             return StrategyWriter(ledger, self.config.crc32).describe(trainer)
         if self.config.continuous:
-            announce(
-                "lplugins: DurableCheckpoint(%s) saves continuously: a new asynchronous save starts at the first step"
-                " boundary after the previous one has committed (keeping the newest %d).",
-                self.dirpath,
-                self.config.keep_last,
-            )
+            announce_continuous(self.dirpath, self.config.keep_last, self.config.max_slowdown)
         if self.config.async_save:
             writer: CheckpointWriter = AsyncWriter(
-                ledger, self.config.crc32, self.config.max_in_flight, writes=trainer.is_global_zero
-            )
+                ledger, self.config.crc32, self.config.max_in_flight, writes=trainer.is_global_zero,
+                max_slowdown=self.config.max_slowdown if self.config.continuous else None,
+            )  # fmt: skip
             return writer.describe(trainer)
         return SyncWriter(ledger, self.config.crc32).describe(trainer)
 
