@@ -1,4 +1,6 @@
-"""Continuous checkpointing (``DurableCheckpoint(continuous=True, async_save=True)``) vs none, 2 CPU ranks, DDP.
+"""Continuous checkpointing (``DurableCheckpoint(continuous=True, async_save=True)``) vs none, 2 CPU ranks.
+
+``--strategy ddp`` (default) or ``fsdp2`` (FSDP2's full-state checkpoint: gathered to rank 0, written there).
 
 Side by side in one run, interleaved, ``--reps`` times each (median):
 
@@ -21,7 +23,7 @@ the pacer uses to time steps with a save in flight (a one-time cost).
 
 Usage::
 
-    python benchmarks/bench_continuous.py [--params-m 100] [--reps 5] [--steps 100] [--batch 8] [--dir DIR]
+    python benchmarks/bench_continuous.py [--strategy ddp] [--params-m 100] [--reps 5] [--steps 100] [--batch 8]
 
 Ends with one line of JSON (units in the key names).
 """
@@ -44,7 +46,9 @@ CONFIGS = ("none", "continuous", "continuous_unpaced", "stock_every_step", "cont
 WIDTH = 4096
 
 
-def worker(config: str, params_m: float, steps: int, warmup: int, steady: int, dirpath: str, batch: int) -> None:
+def worker(
+    config: str, strategy: str, params_m: float, steps: int, warmup: int, steady: int, dirpath: str, batch: int
+) -> None:
     """One 2-rank fit (Lightning's launcher starts rank 1 by running this command again); prints per-rank JSON."""
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -53,6 +57,7 @@ def worker(config: str, params_m: float, steps: int, warmup: int, steady: int, d
     from torch.utils.data import DataLoader, TensorDataset
 
     from lplugins.callbacks import DurableCheckpoint
+    from lplugins.strategies import FSDP2Strategy
 
     torch.set_num_threads(1)
     depth = max(1, round(params_m * 1e6 / (WIDTH * WIDTH)))
@@ -99,7 +104,8 @@ def worker(config: str, params_m: float, steps: int, warmup: int, steady: int, d
         callbacks.append(ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"))
     data = DataLoader(TensorDataset(torch.randn(batch * (steps + 1), WIDTH)), batch_size=batch)
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=callbacks, logger=False,
+        accelerator="cpu", devices=2, strategy=FSDP2Strategy() if strategy == "fsdp2" else "ddp",
+        max_steps=steps, callbacks=callbacks, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=config != "none",
     )  # fmt: skip
     model = MLP()
@@ -142,7 +148,8 @@ def memcpy_bandwidth(nbytes: int, reps: int = 5) -> float:
 def run(config: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
     dirpath = os.path.join(root, config)
     shutil.rmtree(dirpath, ignore_errors=True)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--params-m", str(args.params_m)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--strategy", args.strategy]
+    cmd += ["--params-m", str(args.params_m)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--steady", str(args.steady)]
     cmd += ["--dir", dirpath, "--batch", str(args.batch)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -156,6 +163,7 @@ def run(config: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="the strategy of every run")
     parser.add_argument("--params-m", type=float, default=100.0, help="model size, millions of parameters")
     parser.add_argument("--reps", type=int, default=5, help="runs of each configuration (interleaved)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
@@ -168,7 +176,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.params_m, args.steps, args.warmup, args.steady, args.dir, args.batch)
+        worker(args.worker, args.strategy, args.params_m, args.steps, args.warmup, args.steady, args.dir, args.batch)
         return
     if args.reps < 1 or args.steps < max(args.warmup, args.steady) + 3 or args.batch < 1:
         parser.error(
@@ -198,6 +206,7 @@ def main() -> None:
     peak = statistics.median(r["peak_rss_bytes"] for r in runs["continuous"])
     base_peak = statistics.median(r["peak_rss_bytes"] for r in runs["none"])
     figures = {
+        "strategy": args.strategy,
         "params_m": args.params_m,
         "state_mb": round(state / 1e6, 1),
         "reps": args.reps,
