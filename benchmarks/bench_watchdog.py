@@ -1,12 +1,13 @@
 """Per-step cost of the collective watchdog on 2-process DDP (gloo, CPU): on vs off, in the same run.
 
 One job of two ranks (started as separate processes, as torchrun does), one ``Trainer.fit`` of
-``--rounds`` x 2 epochs; the epochs alternate between the watchdog off and on (``off, on, off, on,
-...``, both ranks switching together at the epoch boundary), so drift of the machine affects both
-alike. The per-step time is the median interval between consecutive ``on_train_batch_start`` calls
-(a warm-up of each epoch dropped), so it includes DDP's gradient all-reduce and every hook. The
-watchdog runs at its default pace (one sample a second for the default 30 s bound) unless
-``--interval`` says otherwise. Usage::
+``--rounds`` x 2 epochs; each round is one epoch with the watchdog off and one with it on, in
+alternating order (``off, on, on, off, off, on, ...``: ABBA, both ranks switching together at the
+epoch boundary), so drift of the machine and the order within a round affect both alike. The
+per-step time is the median interval between consecutive ``on_train_batch_start`` calls (a warm-up
+of each epoch dropped), so it includes DDP's gradient all-reduce and every hook; the figure is the
+median over rounds of each round's on/off ratio. The watchdog runs at lplugins' default pace (the
+default 5 s bound: one sample every 0.5 s) unless ``--timeout``/``--interval`` say otherwise. Usage::
 
     python benchmarks/bench_watchdog.py [--steps 1000] [--rounds 5] [--hidden 256] [--batch 64]
 
@@ -38,7 +39,7 @@ def _launch(argv: list[str]) -> None:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "NODE_RANK": "0"}
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")) if p
+        p for p in (env.get("PYTHONPATH", ""), str(Path(__file__).resolve().parents[1] / "src")) if p
     )
     procs = [
         subprocess.Popen([sys.executable, __file__, *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
@@ -76,8 +77,7 @@ def _rank(args: argparse.Namespace) -> None:
             self.stamps: dict[int, list[float]] = {}
 
         def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-            on = trainer.current_epoch % 2 == 1
-            _watchdog.arm(args.timeout if on else 0, interval=args.interval)
+            _watchdog.arm(args.timeout if _on(trainer.current_epoch) else 0, interval=args.interval)
             self.stamps[trainer.current_epoch] = []
 
         def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int) -> None:
@@ -103,13 +103,14 @@ def _rank(args: argparse.Namespace) -> None:
         e: statistics.median([b - a for a, b in zip(s[warmup:], s[warmup + 1 :], strict=False)])
         for e, s in timer.stamps.items()
     }
-    off = [v for e, v in per_epoch.items() if e % 2 == 0]
-    on = [v for e, v in per_epoch.items() if e % 2 == 1]
+    off = [v for e, v in sorted(per_epoch.items()) if not _on(e)]
+    on = [v for e, v in sorted(per_epoch.items()) if _on(e)]
     ratios = [b / a for a, b in zip(off, on, strict=True)]
     for i, (a, b) in enumerate(zip(off, on, strict=True)):
         print(f"round {i}: off {a * 1e3:.3f} ms/step, on {b * 1e3:.3f} ms/step, on/off {b / a:.4f}")
     result = {
         "world_size": 2,
+        "order": "ABBA (off,on,on,off,...)",
         "steps_per_epoch": args.steps,
         "rounds": args.rounds,
         "watchdog_timeout_s": args.timeout,
@@ -121,6 +122,11 @@ def _rank(args: argparse.Namespace) -> None:
         "watchdog_sample_us": round(sample_us, 1),
     }
     print(json.dumps(result))
+
+
+def _on(epoch: int) -> bool:
+    """Whether the watchdog runs in ``epoch``: off/on in even rounds, on/off in odd ones (ABBA)."""
+    return (epoch % 2 == 1) != (epoch // 2 % 2 == 1)
 
 
 def _sample_cost_us(n: int = 300) -> float:
@@ -147,7 +153,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="off/on pairs of epochs")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--timeout", type=float, default=30.0, help="the watchdog's bound, seconds")
+    parser.add_argument("--timeout", type=float, default=5.0, help="the watchdog's bound floor, seconds (default)")
     parser.add_argument("--interval", type=float, default=None, help="seconds between samples (default: its own)")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:

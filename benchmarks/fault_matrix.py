@@ -2,8 +2,9 @@
 
 Each trial is one job of ``--ranks`` processes started side by side, as torchrun starts them
 (``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set, no Lightning launcher that kills the others), training a
-small model with a stock ``lightning.pytorch.Trainer`` (DDP, gloo, CPU; the process-group timeout is
-Lightning's 30 minutes). At step ``FAULT_STEP`` the last rank (the "faulty" one) injects one fault:
+small model with a stock ``lightning.pytorch.Trainer`` (``--strategy``: DDP, FSDP2 or ZeRO-2, gloo,
+CPU; the process-group timeout is 30 minutes). At step ``FAULT_STEP`` the last rank (the "faulty"
+one) injects one fault:
 
 ==============  ==========================================================================
 ``exception``   ``raise RuntimeError`` in ``training_step``
@@ -24,9 +25,18 @@ its log for lplugins' message: it must name the faulty rank (``rank N``), the op
 sequence number of the collective (``#N``) and the user's call site (``fault_matrix.py:LINE`` of the
 fault's line). It counts the stack dumps in the log directory (``<root>/lplugins-stacks/``). A trial
 passes when every rank exits non-zero (``preempt``: every rank exits 75 after one save) within
-``--bound`` seconds and every rank's message names all four. Usage::
+``--bound`` seconds and every rank's message names all four.
 
-    python benchmarks/fault_matrix.py [--trials 3] [--classes exception,sigkill,...] [--ranks 2]
+Strategies (``--strategy``): ``ddp`` (Lightning's ``DDPStrategy``) runs every class. ``fsdp2``
+(lplugins' ``FSDP2Strategy``: ``fully_shard``, an all-gather in each forward and a reduce-scatter in
+each backward, issued from Python) and ``zero2`` (``deepspeed_stage_2_cpu``: DeepSpeed ZeRO-2, its
+gradient reduction in ``engine.backward``/``step``) run the classes where the strategy changes what
+the healthy ranks wait in, or how a rank ends or saves: all but ``op`` and ``shape``, whose
+mismatched collective is the user's own call on every rank (the healthy ranks wait in that call,
+not in one of the strategy's), so the strategy does not change what is detected and the DDP rows
+stand for them (``--classes op`` runs them anyway). Usage::
+
+    python benchmarks/fault_matrix.py [--trials 3] [--classes exception,sigkill,...] [--ranks 2] [--strategy ddp]
 
 Prints a table (one row per class) and ends with ONE line of JSON (units in the key names).
 """
@@ -61,6 +71,12 @@ OPERATION = {
     "dataloader": r"DataLoader|batch",
     "preempt": r".",
 }
+#: The strategies (``--strategy``) and the classes each runs by default (see the module's docstring).
+STRATEGIES = {
+    "ddp": CLASSES,
+    "fsdp2": tuple(k for k in CLASSES if k not in ("op", "shape")),
+    "zero2": tuple(k for k in CLASSES if k not in ("op", "shape")),
+}
 #: The step the fault happens at, and the steps of an epoch (each step sleeps STEP_S: a 50 ms step).
 FAULT_STEP = 40
 STEPS = 80
@@ -68,13 +84,27 @@ STEP_S = 0.05
 
 
 # ----------------------------------------------------------------------------------------------- the job
-def _job(kind: str, root: Path) -> None:  # one rank (a process of its own)
+def _strategy(name: str) -> Any:
     from datetime import timedelta
 
+    timeout = timedelta(minutes=30)
+    if name == "fsdp2":
+        from lplugins.strategies.fsdp2 import FSDP2Strategy
+
+        return FSDP2Strategy(timeout=timeout)
+    if name == "zero2":
+        from lplugins._builtins.strategies import _deepspeed_factory
+
+        return _deepspeed_factory("deepspeed_stage_2_cpu")(timeout=timeout)
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(timeout=timeout)
+
+
+def _job(kind: str, root: Path, strategy: str) -> None:  # one rank (a process of its own)
     import torch
     import torch.distributed as dist
     from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, Dataset
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -154,7 +184,7 @@ def _job(kind: str, root: Path) -> None:  # one rank (a process of its own)
         callbacks.append(DurableCheckpoint(dirpath=str(root / "ckpt"), preemption_signals=("SIGUSR1",)))
     n = STEPS + (3 if kind == "uneven" and faulty else 0)
     trainer = Trainer(
-        strategy=DDPStrategy(timeout=timedelta(minutes=30)), accelerator="cpu", devices=world,
+        strategy=_strategy(strategy), accelerator="cpu", devices=world,
         max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=kind == "preempt", callbacks=callbacks, use_distributed_sampler=False,
         default_root_dir=str(root),
@@ -176,15 +206,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def trial(kind: str, ranks: int, cap: float, bound: float, env_extra: dict[str, str]) -> dict[str, Any]:
-    """Run one job with fault ``kind``; what each rank did, and whether the trial passes."""
+def trial(
+    kind: str, ranks: int, cap: float, bound: float, env_extra: dict[str, str], strategy: str = "ddp"
+) -> dict[str, Any]:
+    """Run one job with fault ``kind`` under ``strategy``; what each rank did, and whether the trial passes."""
     root = Path(tempfile.mkdtemp(prefix=f"fault-{kind}-"))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks)}
     env.update({"NODE_RANK": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra})
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".venv" / "torch_extensions"))
     logs = [root / f"rank{r}.log" for r in range(ranks)]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--job", kind, "--root", str(root)],
+            [sys.executable, __file__, "--job", kind, "--root", str(root), "--strategy", strategy],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=open(logs[r], "w"),
             stderr=subprocess.STDOUT,
@@ -272,20 +305,22 @@ def _excerpt(text: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--classes", default=",".join(CLASSES), help="comma-separated, from: " + ",".join(CLASSES))
+    parser.add_argument("--classes", help="comma-separated, from: " + ",".join(CLASSES) + " (default: the strategy's)")
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--bound", type=float, default=10.0, help="pass: every rank ends within this many seconds")
     parser.add_argument("--cap", type=float, default=40.0, help="kill a job this many seconds after its fault")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for every rank (repeatable)")
     parser.add_argument("--keep", action="store_true", help="keep each trial's directory (logs, stack dumps)")
+    parser.add_argument("--keep-failed", action="store_true", help="keep the directory of each trial that failed")
     parser.add_argument("--verbose", action="store_true", help="print each trial's per-rank result")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        _job(args.job, Path(args.root))
+        _job(args.job, Path(args.root), args.strategy)
         return
-    kinds = [k.strip() for k in args.classes.split(",") if k.strip()]
+    kinds = [k.strip() for k in (args.classes or ",".join(STRATEGIES[args.strategy])).split(",") if k.strip()]
     unknown = [k for k in kinds if k not in CLASSES]
     if unknown:
         parser.error(f"unknown classes {unknown}; choose from {', '.join(CLASSES)}")
@@ -295,11 +330,13 @@ def main() -> None:
     for kind in kinds:
         results = []
         for _ in range(args.trials):
-            result = trial(kind, args.ranks, args.cap, args.bound, env_extra)
+            result = trial(kind, args.ranks, args.cap, args.bound, env_extra, args.strategy)
             results.append(result)
             if args.verbose:
                 print(json.dumps({k: v for k, v in result.items() if k != "root"}), flush=True)
-            if not args.keep:
+            if args.verbose and not result["pass"] and (args.keep or args.keep_failed):
+                print(f"failed trial kept in {result['root']}", flush=True)
+            if not (args.keep or (args.keep_failed and not result["pass"])):
                 subprocess.run(["rm", "-rf", result["root"]], check=False)
         times = [p["s_after_fault"] for r in results for p in r["ranks"]]
         ended = [t for t in times if t is not None]
@@ -330,7 +367,7 @@ def main() -> None:
         json.dumps(
             {
                 "ranks": args.ranks,
-                "strategy": "ddp",
+                "strategy": args.strategy,
                 "trials_per_class": args.trials,
                 "bound_s": args.bound,
                 "cap_s": args.cap,

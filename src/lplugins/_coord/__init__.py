@@ -10,6 +10,7 @@ timeout; a clean run must end 0 on every rank. The pieces, each importing only t
 * ``settings``: the detector's thresholds (names, environment variables, checks, adaptation);
 * ``faults``: the verdicts besides a mismatch (a rank failed, ended, holds the GIL, stalls, ended early)
   and each rank's stack file;
+* ``mismatch``: the report of ranks waiting in different collectives, and the highest rank's stop;
 * ``watchdog``: the thread that publishes each rank's state, detects mismatched collectives and
   stops the job with a report on every rank;
 * ``exit``: a gloo process group left initialised does not abort the process at exit.

@@ -209,15 +209,22 @@ def ended(
     where it was.
     """
     last, headline = "", ""
+    said, held = _stack_file_says(rank, stacks)
     if state is not None:
         silent = clock.silent_for(rank, state, mono)
         last = f"; it was last seen {describe(state)}"
-        if silent > 0.8 * float(state.get("hb", 5.0)):
+        # its own GIL timer's dump says so; without one (another host), its silence before it ended does
+        if held is not None or silent > 0.8 * float(state.get("hb", 5.0)):
             headline = (
-                f"rank {rank} does not respond: its main thread held the GIL for {silent:.0f}s (its lplugins"
-                " watchdog could not run), so its own timer wrote its stack and ended it"
+                f"rank {rank} does not respond: its main thread held the GIL for {held or f'{silent:.0f}s'} (its"
+                " lplugins watchdog could not run), so its own timer wrote its stack and ended it"
             )
-    last += _stack_file_says(rank, stacks)
+    elif held is not None:
+        headline = (
+            f"rank {rank} does not respond: its main thread held the GIL for {held} (its lplugins watchdog could"
+            " not run), so its own timer wrote its stack and ended it"
+        )
+    last += said
     if where is not None and where.kind != "run":
         seq = mine if isinstance(mine, int) else None
         this = describe({**where.__dict__, "seq": seq})
@@ -232,23 +239,30 @@ def ended(
     return Verdict("ended", rank, f"{headline}{last}. This rank's collective failed: {this}.")
 
 
-def _stack_file_says(rank: int, stacks: str | None) -> str:
-    """``; its stack (rank1.txt) shows it in f at train.py:12`` from a faulthandler dump, or ``""``."""
+def _stack_file_says(rank: int, stacks: str | None) -> tuple[str, str | None]:
+    """``("; its stack (rank1.txt) shows it in f at train.py:12", held)`` from a faulthandler dump, or ``("", None)``.
+
+    ``held``: how long the GIL was held (``"5s"``) when the dump is the one of that rank's GIL timer
+    (faulthandler's ``Timeout (0:00:05)!``), the proof that it ended for holding the GIL -- which its
+    silence, as another rank saw it, only suggests (a loaded rank sees the last heartbeat late).
+    """
     if not stacks:
-        return ""
+        return "", None
     path = os.path.join(stacks, f"rank{rank}.txt")
     try:
         with open(path, errors="replace") as f:
             text = f.read(1 << 20)
     except OSError:
-        return ""
+        return "", None
+    timer = re.search(r"^Timeout \((\d+):(\d\d):(\d\d)(?:\.\d+)?\)!$", text, re.M)
+    held = f"{int(timer[1]) * 3600 + int(timer[2]) * 60 + int(timer[3])}s" if timer else None
     head = "Current thread" if "Current thread" in text else "Thread"
     block = text[text.rfind(head) :] if head in text else ""
     for line in block.splitlines():  # most recent call first
         match = re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)
         if match and not is_library(match.group(1)):
-            return f"; its stack ({path}) shows it in {match.group(3)} at {match.group(1)}:{match.group(2)}"
-    return ""
+            return f"; its stack ({path}) shows it in {match.group(3)} at {match.group(1)}:{match.group(2)}", held
+    return "", held
 
 
 def uneven(board: Any, seq: int, wait: float, interval: float) -> Verdict | None:
@@ -292,7 +306,8 @@ def diagnose(
     sockets closed may take a moment to be gone).
 
     The collective usually fails before the next sample could see the rank gone; without this the
-    error would read "Connection reset by peer" and name nobody.
+    error would read "Connection reset by peer" and name nobody. An error raised outside a collective
+    (this rank's own exception) is not waited for.
     """
     posted = [r for r in board.failures.values() if r.get("kind") in ("fatal", "verdict") and r["rank"] != board.rank]
     if posted:
@@ -301,7 +316,10 @@ def diagnose(
     for frame, _line in traceback.walk_tb(err.__traceback__):  # noqa: B007 -- the innermost frame is wanted
         pass
     where = classify(frame, None, cpu_idle=True) if frame is not None else None
-    deadline = time.monotonic() + 3.0  # a loaded machine may take a while to finish a killed process
+    # a loaded machine may take a while to finish a killed process; an error not raised in a collective (this
+    # rank's own, at its top level) is looked at once: waiting would only delay telling the others
+    waits = where is not None and where.blocked
+    deadline = time.monotonic() + (3.0 if waits else 0.0)
     while True:
         for r in range(board.world):
             try:

@@ -25,10 +25,10 @@ __all__ = ["COLLECTIVES", "Where", "classify", "is_library", "thread_cpu_seconds
 COLLECTIVES = frozenset(
     {
         "barrier", "monitored_barrier", "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_object",
-        "all_gather_into_tensor", "all_gather_coalesced", "broadcast", "broadcast_object_list", "reduce",
-        "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
-        "all_to_all", "all_to_all_single", "send", "recv", "send_object_list", "recv_object_list",
-        "batch_isend_irecv", "wait",
+        "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "broadcast", "broadcast_object_list",
+        "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather", "gather_object",
+        "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "send", "recv", "send_object_list",
+        "recv_object_list", "batch_isend_irecv", "wait",
     }
 )  # fmt: skip
 _LIBRARY_PACKAGES = (
@@ -139,6 +139,8 @@ def classify(frame: FrameType | None, waiting: str | None = None, cpu_idle: bool
         kind, op, start = "collective", f"torch.distributed.{frames[op_index].f_code.co_name}()", op_index
     elif cpu_idle and _in_backward(frames):
         kind, op, start = "backward", "the gradient all-reduce of a backward pass (DDP)", 0
+    elif cpu_idle and (awaits := _awaited_collective(frames[0])):
+        kind, op, start = "collective", awaits, 0
     elif (loader := _in_dataloader(frames)) is not None:
         first = getattr(loader.f_locals.get("self"), "_num_yielded", 1) == 0  # workers may still be starting
         kind, op, start = "data", f"the DataLoader's {'first' if first else 'next'} batch", 0
@@ -158,8 +160,8 @@ def classify(frame: FrameType | None, waiting: str | None = None, cpu_idle: bool
             if called is not None and f"{os.sep}distributed{os.sep}" not in called.f_code.co_filename:
                 via = _qualname(called)
             break
-    if kind == "backward":
-        via = ""  # whatever called fit: not what waits
+    if kind == "backward" or (op_index is None and waiting is None):
+        via = ""  # whatever called fit (or the module): not what waits
     logged = logged_metric(frames, _is_library)
     if logged is not None:
         via, site = logged[0], logged[1] or site
@@ -170,6 +172,21 @@ def classify(frame: FrameType | None, waiting: str | None = None, cpu_idle: bool
         if size is not None:
             shape = str(list(size))
     return Where(kind, op, via, site or _site(frames[0]), inside, shape)
+
+
+#: Where a strategy waits for a collective it started asynchronously (``Work.wait()`` runs in C++: no Python frame
+#: names the collective), as (path fragment, what it is called).
+_AWAITING = ((f"{os.sep}distributed{os.sep}fsdp{os.sep}", "FSDP2's"),)
+
+
+def _awaited_collective(frame: FrameType) -> str:
+    """``"FSDP2's collective awaited in foreach_all_gather_copy_out()"`` when the innermost frame is where a
+    strategy waits for its own collective (and the thread's CPU is idle), else ``""``."""
+    file = frame.f_code.co_filename
+    for fragment, owner in _AWAITING:
+        if fragment in file and _is_library(file):
+            return f"{owner} collective awaited in {_qualname(frame)}()"
+    return ""
 
 
 def _in_dataloader(frames: list[FrameType]) -> FrameType | None:

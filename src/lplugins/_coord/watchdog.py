@@ -21,13 +21,15 @@ The other faults (a rank failed, ended, holds the GIL, stalls fetching data, end
 collectives than another) are verdicts of :mod:`lplugins._coord.faults`. The bounds adapt to the
 step time (:mod:`lplugins._coord.settings`).
 
-May import: the logger, the board, ``faults``, ``settings``, ``stacks``; torch inside functions.
+May import: the logger, the board, ``faults``, ``mismatch``, ``procs``, ``settings``, ``stacks``; torch inside
+functions.
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -40,14 +42,15 @@ from types import FrameType
 from typing import Any
 
 from lplugins._coord import board as _board_module
-from lplugins._coord import faults, procs
+from lplugins._coord import faults, mismatch, procs
 from lplugins._coord.board import DEFAULT_TIMEOUT, Board, add_note, current_board
 from lplugins._coord.settings import COLLECTIVE_VAR, DEFAULT_COLLECTIVE_S, DEFAULT_HEARTBEAT_S, STACKS_VAR, Adaptive
 from lplugins._coord.stacks import Where, classify, thread_cpu_seconds
 from lplugins._log import announce, log
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "EXIT_STATUS", "TIMEOUT_VAR", "arm", "bound", "disarm", "note_peer_failures", "stacks_dir",
+    "DEFAULT_TIMEOUT", "EXIT_STATUS", "TIMEOUT_VAR", "arm", "bound", "disarm", "finish", "note_peer_failures",
+    "stacks_dir",
 ]  # fmt: skip
 
 #: The environment variable for the collective bound's floor (seconds, ``auto`` or ``off``; see ``settings``).
@@ -278,57 +281,19 @@ class _Watchdog(threading.Thread):
         )  # fmt: skip
 
     def check_mismatch(self, board: Board, now: float, bound: float) -> None:
-        states: dict[int, dict[str, Any]] = {}
-        for r in range(board.world):
-            key = f"state/{r}"
-            if not board.store.check([key]):
-                return  # a rank that never published: its watchdog is off, nothing to compare
-            states[r] = json.loads(board.store.get(key))
-        fresh = 10 * self.interval + 5
-        for s in states.values():
-            if s["kind"] not in ("collective", "backward") or now - s["t"] > fresh or now - s["since"] < bound / 2:
-                return  # some rank is working (or not watched): not a deadlock, maybe slow
-        if len({(s["op"], s["site"], s.get("shape", "")) for s in states.values()}) == 1:
-            return  # all in the same call at the same line with the same shape: slow, not mismatched
-        lines = [
-            f"  rank {r}: waits {now - s['since']:.0f}s in {faults.describe(s)}" for r, s in sorted(states.items())
-        ]
-        self.report = (
-            "lplugins: collective mismatch -- the ranks wait in different collectives and none can complete:\n"
-            + "\n".join(lines)
-            + "\nEvery rank must make the same collective calls in the same order: a collective under"
-            " `if trainer.is_global_zero:` (save_checkpoint, barrier, self.log(..., sync_dist=True)) deadlocks;"
-            " call it on every rank, or use lplugins.callbacks.request_checkpoint / rank_zero_block."
-            f" (Detected by the lplugins collective watchdog after {bound:g}s; {TIMEOUT_VAR}=off turns it off.)"
-        )
-        log.error("[rank %d] %s", board.rank, self.report)
+        report = mismatch.report(board, now, bound, self.interval)
+        if report is None:
+            return
+        self.report = report
+        log.error("[rank %d] %s", board.rank, report)
         _install_excepthook()
         if self.stack_file is not None:
-            self.stack_file.dump(f"lplugins [rank {board.rank}]: {self.report}")
+            self.stack_file.dump(f"lplugins [rank {board.rank}]: {report}")
         board.store.set(f"mismatch/{board.rank}", "1")
         if board.rank == board.world - 1:
-            self._stop_this_rank(board)
+            mismatch.stop_this_rank(board, report, self.interval)
         else:  # its collective fails once the highest rank has gone; if it does not, it goes too
             self.exit_at = time.monotonic() + max(5.0, 5 * self.interval) + 3.0
-
-    def _stop_this_rank(self, board: Board) -> None:
-        """Exit this process so the other ranks' collectives fail now (gloo cannot be aborted from a thread)."""
-        deadline = time.monotonic() + max(5.0, 5 * self.interval)
-        while time.monotonic() < deadline:  # let the others log their report first
-            if all(board.store.check([f"mismatch/{r}"]) for r in range(board.world)):
-                break
-            time.sleep(0.1)
-        frame = sys._current_frames().get(threading.main_thread().ident or -1)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        sys.stderr.write(
-            f"lplugins [rank {board.rank}]: stopping this rank (exit status {EXIT_STATUS}) so the others do"
-            f" not wait for the process-group timeout. Its main thread was here:\n{stack}{self.report}\n"
-        )
-        for handler in [*log.handlers, *logging.getLogger().handlers]:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_STATUS)
 
 
 def _seq() -> int | None:
@@ -456,7 +421,20 @@ def _close_stack_file(thread: _Watchdog) -> None:
 
 
 def _at_exit() -> None:
-    """At this process's end: say so on the board, and fail if another rank still waits for a collective of ours."""
+    """:func:`finish` at this process's end; a process that ends for a fault already named skips the last
+    garbage collection of the interpreter's finalization (``gc.freeze``), which walks every object torch and
+    Lightning made and took seconds on a loaded machine (6 s seen), when every rank should end at once."""
+    thread = _thread
+    faulted = thread is not None and (thread.verdict is not None or thread.report is not None)
+    finish()
+    if faulted:
+        gc.freeze()
+
+
+def finish() -> None:
+    """This rank's work is over (at its process's end, or where a process ends without ``atexit``, such as a Ray
+    worker, after its training function returned): say so on the board, fail if another rank still waits for a
+    collective of ours, and stop watching (a clean end removes this rank's stack file)."""
     thread = _thread
     if (
         thread is not None

@@ -340,11 +340,18 @@ def _start(
 
 
 def _worker(train_fn: Callable[..., Any], takes_config: bool, experiment: str, config: dict[str, Any]) -> Any:
-    """What every Ray worker runs: remember the run directory, then the user's function."""
+    """What every Ray worker runs: remember the run directory, then the user's function, then a clean end.
+
+    Ray ends its workers without ``atexit``: the watchdog's end (the uneven-batches check, this rank's stack
+    file removed from ``<default_root_dir>/lplugins-stacks/``) runs here, after a function that returned.
+    """
+    from lplugins._coord import watchdog
     from lplugins.ray import _report
 
     _report.EXPERIMENT_DIR = experiment
-    return train_fn(config) if takes_config else train_fn()
+    result = train_fn(config) if takes_config else train_fn()
+    watchdog.finish()
+    return result
 
 
 def fit(
