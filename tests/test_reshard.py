@@ -134,10 +134,10 @@ if phase == "d":  # global batch 8 cannot be 3 ranks x micro 2 x k
     out.update(indivisible=refusal("ddp", "acc", 9, [accumulation()]))
     import lplugins.strategies.deepspeed as ds
 
-    def broken(path, work):
+    def broken(path):
         raise ValueError("no such layout")
 
-    ds.convert_to_universal = broken  # a ZeRO-1 checkpoint of 2 ranks whose conversion fails on rank 0
+    ds.full_from_zero = broken  # a ZeRO-1 checkpoint of 2 ranks whose reading fails on every rank
     out.update(conversion=refusal("z1", "z1", 9))
 with open(f"out-{phase}-{trainer.global_rank}.json", "w") as f:
     json.dump(out, f)
@@ -175,7 +175,7 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
             assert _state(tmp_path, name, phase, "end")["step"] == {"b": 5, "c": 7, "d": 8}[phase]
     # what happened is said once, on rank zero
     assert "resuming a checkpoint written by 2 rank(s) on 1 rank(s)" in logs["b"]
-    assert "converted to a universal checkpoint" in logs["b"]
+    assert "read as one full checkpoint in" in logs["b"]
     assert "resuming a checkpoint written by 1 rank(s) on 2 rank(s)" in logs["c"]
     assert "resuming a checkpoint written by 2 rank(s) on 3 rank(s)" in logs["d"]
     assert logs["b"].count("resuming a checkpoint written by 2 rank(s) on 1 rank(s)") == 6  # 5 strategies + acc
@@ -197,9 +197,9 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
     for rank in (0, 1, 2):
         d = json.loads((tmp_path / f"out-d-{rank}.json").read_text())
         assert d["indivisible"].startswith("ScheduleError: Cannot resume a checkpoint written by 1 rank(s) on 3")
-        # every rank says rank 0's reason; "latest" did not fall back to the older checkpoints, nothing quarantined
+        # every rank says the reason; "latest" did not fall back to the older checkpoints, nothing quarantined
         assert d["conversion"].startswith("DeepSpeedReshardError: Cannot resume DeepSpeed checkpoint z1/step=000000007")
-        assert "failed on rank 0 (ValueError: no such layout). Resume it on 2 rank(s)" in d["conversion"]
+        assert "partitions failed (ValueError: no such layout). Resume it on 2 rank(s)" in d["conversion"]
     assert not (tmp_path / "z1" / "quarantine").exists()
     assert not list(tmp_path.glob("*/*.converted/.tmp.*"))  # no conversion left half-made
 

@@ -6,7 +6,8 @@ exactly; a constant global batch said once on rank zero). The default tier runs 
 layouts (a DDP file, a ZeRO-2 directory, an FSDP2 sharded directory) written by 2 ranks, each resumed on 1 rank by
 ZeRO-3 (a change of family, of ZeRO stage and of world size each); the how-to's ZeRO-2 on 2 -> FSDP2 on 1 and the
 stock test below add a ZeRO directory and a file into FSDP2; the whole matrix is ``extended``.
-Beside it: conversions made once and reused (committed, verified, removed with their checkpoint), a stock
+Beside it: conversions made once and reused (committed, verified, removed with their checkpoint; or committed in the
+background after a resume that read the checkpoint directly), a stock
 Lightning ``ModelCheckpoint`` file resumed by FSDP2 and ZeRO-3, ``lplugins checkpoint export``, and a cell that
 cannot work refused before training.
 """
@@ -46,10 +47,11 @@ def test_every_layout_resumes_with_another_strategy_and_world_size(tmp_path: Pat
     summary = out["summary"]
     assert summary["cells"] == 3
     assert summary["passed"] == 3, out["table"]
-    # each conversion made once, kept beside its checkpoint with its manifest: the ZeRO-2 directory's universal one
-    # (read as one full checkpoint into ZeRO-3), the FSDP2 directory's full file; a DDP file needs none
+    # each conversion made once, kept beside its checkpoint with its manifest: the ZeRO-2 directory read in memory
+    # into ZeRO-3, its full file committed after the load (no universal conversion); the FSDP2 directory's full file
+    # made before its load; a DDP file needs none
     resumed = tmp_path / "m" / "resume" / "z3@1"
-    for source, kinds in (("z2@2", {"universal", "universal.json"}), ("fsdp2@2", {"full.ckpt", "full.ckpt.json"})):
+    for source, kinds in (("z2@2", {"full.ckpt", "full.ckpt.json"}), ("fsdp2@2", {"full.ckpt", "full.ckpt.json"})):
         converted = list((resumed / source).glob("*.ckpt.converted"))
         assert len(converted) == 1, source
         assert {p.name for p in converted[0].iterdir()} == kinds, source
@@ -67,7 +69,7 @@ def test_every_layout_resumes_with_another_strategy_and_world_size(tmp_path: Pat
         saved = torch.load(tmp_path / "m" / "save" / f"{cell}.end.pt", weights_only=True)
         assert sorted(exported) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
         assert all(torch.equal(exported[k].reshape(-1), saved[k][0]) for k in exported), cell
-    assert list((tmp_path / "m" / "save" / "z2@2").glob("*.ckpt.converted/universal.json"))  # made, kept beside it
+    assert not list((tmp_path / "m" / "save" / "z2@2").glob("*.converted"))  # read directly: nothing written
     full = export_checkpoint(str(tmp_path / "m" / "save" / "z2@2"), str(tmp_path / "full.ckpt"), full=True)
     loaded = torch.load(tmp_path / "full.ckpt", weights_only=True)
     assert full["layout"] == "a DeepSpeed ZeRO directory" and loaded["global_step"] == 3
@@ -212,6 +214,20 @@ def test_a_conversion_is_committed_reused_verified_and_removed_with_its_checkpoi
     with pytest.raises(ValueError, match="no such layout"):
         cached_conversion(str(source), "full.ckpt", broken)
     assert sorted(p.name for p in Path(converted_dir(str(source))).iterdir()) == ["universal", "universal.json"]
+    # a resume that read what it needed in memory commits it on a thread, once; a build cut short is cleaned up
+    from lplugins._lightning.converted import commit_in_background, committed
+
+    Path(converted_dir(str(source)), ".tmp.full.ckpt.0123456789ab").write_bytes(b"cut short")
+    threads = [commit_in_background(str(source), "full.ckpt", build) for _ in range(2)]
+    assert threads[0] is not None and threads[0].name == "lplugins-convert-full.ckpt" and not threads[0].daemon
+    threads[0].join()
+    assert threads[1] is None or (threads[1].join() or True)  # the second found it made or being made
+    assert committed(str(source), "full.ckpt") and commit_in_background(str(source), "full.ckpt", build) is None
+    assert sorted(p.name for p in Path(converted_dir(str(source))).iterdir()) == [
+        "full.ckpt", "full.ckpt.json", "universal", "universal.json"
+    ]  # fmt: skip
+    Path(converted_dir(str(source)), "full.ckpt", "a.pt").unlink()
+    Path(converted_dir(str(source)), "full.ckpt.json").unlink()
     # retention deletes a checkpoint with its conversions; the clean-up at a start removes those of one that is gone
     storage = open_storage(str(tmp_path))
     (tmp_path / (source.name + COMMIT_SUFFIX)).write_text("{}")

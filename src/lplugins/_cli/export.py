@@ -64,18 +64,13 @@ def _verify(path: str) -> str:
 
 
 def _full(path: str) -> dict[str, Any]:
-    from lplugins._lightning.converted import cached_conversion
-    from lplugins._lightning.portable import DEEPSPEED_DIR, convert_to_universal, full_checkpoint, layout
+    """The full checkpoint of ``path`` (a ZeRO directory: read once, each parameter cut out of the ranks'
+    partitions; no conversion written)."""
+    from lplugins._lightning.portable import full_checkpoint
+    from lplugins._lightning.zero_shards import compact
 
-    if layout(path) != DEEPSPEED_DIR:
-        return full_checkpoint(path)
-    try:  # kept next to the checkpoint (a resume on another layout reuses it)
-        universal, _ = cached_conversion(path, "universal", lambda tmp: convert_to_universal(path, tmp))
-        return full_checkpoint(path, universal)
-    except PermissionError:
-        with tempfile.TemporaryDirectory() as tmp:
-            convert_to_universal(path, os.path.join(tmp, "universal"))
-            return full_checkpoint(path, os.path.join(tmp, "universal"))
+    checkpoint: dict[str, Any] = compact(full_checkpoint(path))
+    return checkpoint
 
 
 def export_checkpoint(src: str, out: str, full: bool = False) -> dict[str, Any]:

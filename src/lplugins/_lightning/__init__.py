@@ -11,7 +11,8 @@ with a name that says what it does, next to the declaration of each private name
 * ``strategies``: DeepSpeed on CPU, process groups, timeouts;
 * ``loading``: what a strategy's own load may unpickle (the weights-only policy);
 * ``portable``: checkpoint layouts (ZeRO and sharded directories, files) and the conversions between them;
-  ``converted``: conversions made once and kept beside their checkpoint;
+  ``zero_shards``: a ZeRO directory read once as one full checkpoint; ``converted``: conversions made once and
+  kept beside their checkpoint;
 * ``runtime``: Lightning objects found on a stack or in ``sys.modules`` (the watchdog, the guard).
 
 ``tests/test_lightning_internals.py`` resolves every entry of :data:`PRIVATES` against the
@@ -46,6 +47,8 @@ from lplugins._lightning.loading import (
 from lplugins._lightning.portable import (
     LayoutError,
     load_full_into_deepspeed,
+    restore_loss_scale,
+    torch_loss_scale,
 )
 from lplugins._lightning.registry import (
     CHECKED_VERSIONS,
@@ -91,6 +94,8 @@ __all__ = [
     "CHECKED_VERSIONS",
     "LayoutError",
     "load_full_into_deepspeed",
+    "restore_loss_scale",
+    "torch_loss_scale",
     "DCP_METADATA_TYPES",
     "DEEPSPEED_SAFE_TYPES",
     "DeepSpeedHooksMixin",

@@ -9,22 +9,40 @@ without a manifest, of another source (the fingerprint differs), or whose bytes 
 not used: it is removed and made again. ``DurableCheckpoint``'s retention removes ``<checkpoint>.converted``
 with its checkpoint, and its start-of-fit clean-up removes one whose checkpoint is gone.
 
+A resume that made what it needed in memory commits it for the next one off its critical path
+(:func:`commit_in_background`: a thread at a lower CPU priority, after the load).
+
 May import: the standard library only (the build functions bring their own imports).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import sys
+import threading
 import uuid
 import zlib
 from collections.abc import Callable
 
-__all__ = ["CONVERTED_SUFFIX", "cached_conversion", "converted_dir", "fingerprint"]
+__all__ = [
+    "CONVERTED_SUFFIX",
+    "FULL_CHECKPOINT",
+    "cached_conversion",
+    "commit_in_background",
+    "committed",
+    "converted_dir",
+    "fingerprint",
+]
+
+log = logging.getLogger("lplugins")
 
 #: The suffix of the directory that holds a checkpoint's conversions (``<checkpoint name><suffix>``).
 CONVERTED_SUFFIX = ".converted"
+#: The conversion every layout has: one full checkpoint file (``<checkpoint>.converted/full.ckpt``).
+FULL_CHECKPOINT = "full.ckpt"
 _CHUNK = 1 << 22
 
 
@@ -121,6 +139,10 @@ def cached_conversion(source: str, kind: str, build: Callable[[str], object]) ->
         elif os.path.lexists(stale):
             os.unlink(stale)
     os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):  # a build cut short (the process ended): never used, removed now
+        if name.startswith((f".tmp.{kind}.", f".tmp.{kind}.json.")):
+            stale = os.path.join(root, name)
+            shutil.rmtree(stale, ignore_errors=True) if os.path.isdir(stale) else os.unlink(stale)
     tmp = os.path.join(root, f".tmp.{kind}.{uuid.uuid4().hex[:12]}")
     try:
         build(tmp)
@@ -147,3 +169,62 @@ def cached_conversion(source: str, kind: str, build: Callable[[str], object]) ->
                 os.unlink(leftover)
         raise
     return target, "made" + (f" (the one there was not used: {problem})" if problem else "")
+
+
+def committed(source: str, kind: str) -> bool:
+    """Whether a conversion ``kind`` of ``source``'s present bytes is committed (its manifest names them; the bytes
+    of the conversion itself are checked when it is used)."""
+    try:
+        with open(os.path.join(converted_dir(source), f"{kind}.json")) as f:
+            return bool(json.load(f).get("source") == fingerprint(source))
+    except (OSError, ValueError):
+        return False
+
+
+_BUILDING: set[tuple[str, str]] = set()
+_BUILDING_LOCK = threading.Lock()
+
+
+def _lower_priority(nice: int = 10) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # not allowed here: the thread runs at the caller's priority
+        pass
+
+
+def commit_in_background(source: str, kind: str, build: Callable[[str], object]) -> threading.Thread | None:
+    """Commit the conversion ``kind`` of ``source`` (made by ``build``, as :func:`cached_conversion`) on a thread
+    of lower CPU priority, unless it is committed already or being made; returns the thread (``None``: nothing to do).
+
+    The caller goes on at once. The thread is not a daemon, so a process that ends waits for it; one killed
+    meanwhile leaves a temporary name, never used and removed by the next build. A failure (the checkpoint removed
+    by retention meanwhile, a full disk) is logged, not raised: the conversion is made again when next needed.
+    """
+    key = (os.path.abspath(source), kind)
+    with _BUILDING_LOCK:
+        if key in _BUILDING or committed(source, kind):
+            return None
+        _BUILDING.add(key)
+
+    def run() -> None:
+        _lower_priority()
+        try:
+            target, how = cached_conversion(source, kind, build)
+            if not os.path.exists(source):  # removed (retention) while it was written: no orphan left
+                shutil.rmtree(converted_dir(source), ignore_errors=True)
+            else:
+                log.debug("lplugins: %s: conversion %s %s (in the background): %s", source, kind, how, target)
+        except Exception as err:  # the conversion is an optimisation: made again when next needed
+            log.warning(
+                "lplugins: %s: keeping its %s conversion failed (%s: %s)", source, kind, type(err).__name__, err
+            )
+        finally:
+            with _BUILDING_LOCK:
+                _BUILDING.discard(key)
+
+    thread = threading.Thread(target=run, name=f"lplugins-convert-{kind}", daemon=False)
+    thread.start()
+    return thread

@@ -14,8 +14,8 @@ The commit marker records the world size and the strategy class that wrote a che
   state on the new world size ("resuming a checkpoint written by 2 ranks on 3 ranks: ...").
 
 The parts themselves are done where they live: the strategies reshard (FSDP2: torch distributed
-checkpoint reads the slices each rank now owns; DeepSpeed: the ZeRO checkpoint is converted to a
-universal checkpoint and re-partitioned), :class:`~lplugins.callbacks._position.DataPosition`
+checkpoint reads the slices each rank now owns; DeepSpeed: every rank reads the ZeRO partitions as one
+full checkpoint and takes its own partition of it), :class:`~lplugins.callbacks._position.DataPosition`
 converts or restarts the epoch in progress, and the accumulation scheduler re-derives its factor.
 """
 
@@ -93,13 +93,24 @@ def check_resume(trainer: Trainer, record: Record, path: str) -> None:
 
     Between the single device, DDP, FSDP2 and DeepSpeed (any ZeRO stage), any checkpoint resumes with any of
     them on any world size (converted when the layouts differ: :func:`needs_full_checkpoint`). A directory
-    written by another strategy family (FSDP1) is refused.
+    written by another strategy family (FSDP1) is refused, and so is a full file of another family holding
+    several optimizers' state into FSDP2 (Lightning keys each by the model's parameter order).
 
     Raises:
         ReshardError: the checkpoint's layout cannot be loaded by this run's strategy (the message names both
             layouts and what to do).
     """
     saved, now = family(record.strategy) if record.strategy else None, family(type(trainer.strategy))
+    optimizers = len(getattr(trainer.strategy, "optimizers", None) or [])
+    if now == FSDP2 and saved not in (FSDP2, None) and record.kind != "dir" and optimizers > 1:
+        raise ReshardError(
+            f"Cannot resume {path} with {type(trainer.strategy).__name__} ({now}) on {trainer.world_size} rank(s): it"
+            f" is one full checkpoint file written by {record.strategy} ({saved}) on {record.world_size or '?'}"
+            f" rank(s) with the state of {optimizers} optimizers, and Lightning's FSDP2 load of a full file matches"
+            " every optimizer's state to the model's parameters in order, right for one optimizer only. Resume it"
+            f" with the {saved} strategy it was written with (any number of ranks); an FSDP2 run with several"
+            " optimizers resumes its own sharded checkpoints on any number of ranks, and from them DDP too."
+        )
     if saved is None or now is None or saved == now or record.kind != "dir":
         return
     if saved in CONVERTIBLE and now in CONVERTIBLE:
@@ -136,9 +147,9 @@ def describe_resume(trainer: Trainer, record: Record, path: str) -> None:
         )
     elif now == DEEPSPEED:
         how = (
-            "the ZeRO partitions were converted to a DeepSpeed universal checkpoint (once: kept beside it, reused by"
-            f" the next resume; the checkpoint itself is unchanged) and re-partitioned over {world} rank(s): fp32"
-            " weights and optimizer moments exactly as saved"
+            f"every rank read the ZeRO partitions of the {saved or '?'} rank(s) (each rank's file once, each parameter"
+            " cut out where DeepSpeed recorded it; the checkpoint itself is unchanged) and took its partition of each"
+            f" parameter over {world} rank(s): fp32 weights and optimizer state exactly as saved"
         )
     elif now == FSDP2 and record.kind == "dir":
         how = f"the sharded checkpoint (torch distributed checkpoint) was resharded on load over {world} rank(s)"

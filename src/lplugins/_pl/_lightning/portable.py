@@ -6,9 +6,9 @@ DDP run of Lightning writes (``state_dict`` with each parameter's fp32 value, ``
 optimizers' own ``state_dict()``, and Lightning's ``loops``, ``callbacks``, ``lr_schedulers``, ``epoch``,
 ``global_step`` ...), with nothing lost that a resume needs:
 
-* a DeepSpeed ZeRO directory (stages 1-3, any world size): DeepSpeed's own ``ds_to_universal`` gives each
-  parameter's fp32 value and optimizer moments whole (:func:`convert_to_universal`); :func:`full_from_universal`
-  puts them in torch's optimizer format, with Lightning's state from the model-states file;
+* a DeepSpeed ZeRO directory (stages 1-3, any world size): read once, in this process, each parameter cut out of
+  the ranks' flat partitions (:func:`lplugins._pl._lightning.zero_shards.full_from_zero`; DeepSpeed's ``ds_to_universal``,
+  :func:`convert_to_universal`, is kept for DeepSpeed's own tools, resumes do not need it);
 * a torch distributed checkpoint (FSDP2's sharded directory): :func:`full_from_dcp` reads it whole, weights-only;
 * a full file already is one.
 
@@ -24,22 +24,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import io
 import os
-import re
 import shutil
-from collections.abc import Iterator
 from typing import Any
 
 from lplugins._pl._lightning.loading import (
     DCP_METADATA_TYPES,
-    DEEPSPEED_SAFE_TYPES,
     _dcp_weights_only_classes,
     _restricted_unpickle,
     weights_only_file,
 )
 from lplugins._pl._lightning.registry import _private
+from lplugins._pl._lightning.zero_shards import (
+    LayoutError,
+    deepspeed_stage,
+    full_from_zero,
+    saved_dp_world_size,
+    tag_dir,
+)
 
 __all__ = [
     "DEEPSPEED_DIR",
@@ -50,12 +53,13 @@ __all__ = [
     "deepspeed_stage",
     "full_checkpoint",
     "full_from_dcp",
-    "full_from_universal",
+    "full_from_zero",
     "layout",
     "load_full_into_deepspeed",
+    "restore_loss_scale",
+    "torch_loss_scale",
     "saved_dp_world_size",
     "tag_dir",
-    "universal_load",
 ]
 
 _DCP = "torch.distributed.checkpoint"
@@ -67,29 +71,6 @@ _private(f"{_DCP}.state_dict_loader", "_load_state_dict", "class", "dcp.load wit
 #: The layouts :func:`layout` tells apart.
 FULL_FILE, DEEPSPEED_DIR = "one full checkpoint file", "a DeepSpeed ZeRO directory"
 DCP_DIR = "an FSDP2 sharded directory (torch distributed checkpoint)"
-_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
-#: The keys of a DeepSpeed model-states file that are DeepSpeed's own (the rest is Lightning's client state).
-_DEEPSPEED_KEYS = frozenset(
-    "module buffer_names optimizer param_shapes frozen_param_shapes shared_params frozen_param_fragments"
-    " lr_scheduler data_sampler random_ltd sparse_tensor_module_names skipped_steps global_steps global_samples"
-    " dp_world_size mp_world_size checkpoint_parallel_dimensions ds_config ds_version".split()
-)
-
-
-class LayoutError(ValueError):
-    """A checkpoint's state cannot be put into the layout asked for (the message says what and why)."""
-
-
-def tag_dir(path: str) -> str:
-    """The directory of the tag ``path/latest`` names (Lightning saves one tag per DeepSpeed checkpoint directory)."""
-    for latest in ("latest", "latest_universal"):
-        file = os.path.join(path, latest)
-        if os.path.isfile(file):
-            with open(file) as f:
-                tag = f.read().strip()
-            if tag and os.path.isdir(os.path.join(path, tag)):
-                return os.path.join(path, tag)
-    return path
 
 
 def layout(path: Any) -> str | None:
@@ -106,53 +87,11 @@ def layout(path: Any) -> str | None:
     return None
 
 
-def saved_dp_world_size(checkpoint_path: Any) -> int | None:
-    """The number of data-parallel ranks that saved the ZeRO checkpoint directory ``checkpoint_path`` (``None``:
-    not a ZeRO checkpoint directory).
-
-    Counted from its optimizer-state files, one per data-parallel rank
-    (``zero_pp_rank_<R>_mp_rank_00_optim_states.pt``).
-    """
-    path = os.fspath(checkpoint_path)
-    if not os.path.isdir(path):
-        return None
-    ranks = {int(m.group(1)) for entry in os.listdir(tag_dir(path)) if (m := _ZERO_FILE.match(entry))}
-    return len(ranks) or None
-
-
-def _model_states_file(tag: str) -> str:
-    files = sorted(glob.glob(os.path.join(glob.escape(tag), "*mp_rank_00_model_states.pt")))
-    if not files:
-        raise LayoutError(f"{tag} has no DeepSpeed model-states file (*mp_rank_00_model_states.pt)")
-    return files[0]
-
-
-def deepspeed_stage(checkpoint_path: Any) -> int | None:
-    """The ZeRO stage a DeepSpeed checkpoint directory was written with (from its config), ``None`` if unknown."""
-    try:
-        states = weights_only_file(_model_states_file(tag_dir(os.fspath(checkpoint_path))), DEEPSPEED_SAFE_TYPES)
-    except Exception:  # unreadable, or not weights-only (a run that trusts it loads it as DeepSpeed does)
-        return None
-    stage = ((states.get("ds_config") or {}).get("zero_optimization") or {}).get("stage")
-    return int(stage) if stage is not None else None
-
-
-@contextlib.contextmanager
-def universal_load(engine: Any) -> Iterator[None]:
-    """Within the block, ``engine.load_checkpoint`` reads a universal checkpoint.
-
-    As ``"checkpoint": {"load_universal": true}`` in the config would, for this load only: every place the
-    engine decides asks its public ``load_universal_checkpoint()``, answered ``True`` here on the instance.
-    """
-    engine.load_universal_checkpoint = lambda: True
-    try:
-        yield
-    finally:
-        del engine.load_universal_checkpoint
-
-
 def convert_to_universal(checkpoint_path: str, work: str) -> float:
-    """Convert the ZeRO checkpoint directory ``checkpoint_path`` into a universal checkpoint in ``work``.
+    """Convert the ZeRO checkpoint directory ``checkpoint_path`` into a DeepSpeed universal checkpoint in ``work``.
+
+    For DeepSpeed's own tools (``"checkpoint": {"load_universal": true}``); lplugins' resumes read the ZeRO
+    directory directly (:func:`full_from_zero`).
 
     ``work`` gets ``latest_universal`` and the tag directory (DeepSpeed's ``ds_to_universal``, run in this
     process, with one worker, its output kept off the console); ``checkpoint_path`` is only read.
@@ -186,57 +125,6 @@ def convert_to_universal(checkpoint_path: str, work: str) -> float:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return time.perf_counter() - start
-
-
-def _tensor(path: str) -> Any:
-    value = weights_only_file(path, DEEPSPEED_SAFE_TYPES)
-    return value["param"] if isinstance(value, dict) else value
-
-
-def full_from_universal(universal: str) -> dict[str, Any]:
-    """A full checkpoint from a DeepSpeed universal checkpoint directory (made by :func:`convert_to_universal`).
-
-    Raises:
-        LayoutError: the directory is not a universal checkpoint with per-parameter state.
-    """
-    tag = tag_dir(universal)
-    states = weights_only_file(_model_states_file(tag), DEEPSPEED_SAFE_TYPES)
-    zero = os.path.join(tag, "zero")
-    groups_meta = weights_only_file(os.path.join(zero, "optimizer_state.pt"), DEEPSPEED_SAFE_TYPES)
-    param_groups = groups_meta.get("param_groups") or []
-    # ZeRO-3's conversion keeps the step count once per group, not per parameter
-    group_steps = {g: s["step"] for g, s in ((groups_meta.get("optimizer_state_dict") or {}).get("state") or {}).items()
-                   if isinstance(s, dict) and "step" in s}  # fmt: skip
-    shapes = states.get("param_shapes") or []
-    if isinstance(shapes, dict):
-        shapes = [shapes]
-    state_dict: dict[str, Any] = dict(states.get("module") or {})  # buffers and frozen parameters
-    opt_state: dict[int, dict[str, Any]] = {}
-    groups = []
-    index = 0
-    for g, group_shapes in enumerate(shapes):
-        ids = []
-        for name, shape in group_shapes.items():
-            folder = os.path.join(zero, name)
-            if not os.path.isfile(os.path.join(folder, "fp32.pt")):
-                raise LayoutError(f"{universal}: no fp32 value for parameter {name!r}")
-            state_dict[name] = _tensor(os.path.join(folder, "fp32.pt")).reshape(shape).clone()
-            entry: dict[str, Any] = {}
-            for file in sorted(os.listdir(folder)):
-                key = file[: -len(".pt")]
-                if key == "fp32" or not file.endswith(".pt"):
-                    continue
-                value = _tensor(os.path.join(folder, file))
-                entry[key] = value.reshape(shape).clone() if value.numel() > 1 or key != "step" else value.clone()
-            if "step" not in entry and g in group_steps:
-                entry["step"] = group_steps[g].clone()
-            opt_state[index] = entry
-            ids.append(index)
-            index += 1
-        group = {k: v for k, v in (param_groups[g] if g < len(param_groups) else {}).items() if k != "params"}
-        groups.append({**group, "params": ids})
-    client = {k: v for k, v in states.items() if k not in _DEEPSPEED_KEYS}
-    return {**client, "state_dict": state_dict, "optimizer_states": [{"state": opt_state, "param_groups": groups}]}
 
 
 def full_from_dcp(path: str) -> dict[str, Any]:
@@ -276,11 +164,11 @@ def _keyed_by_position(state: dict[str, Any]) -> dict[str, Any]:
     return {"state": {index[k]: v for k, v in state.get("state", {}).items() if k in index}, "param_groups": groups}
 
 
-def full_checkpoint(path: str, universal: str | None = None) -> dict[str, Any]:
-    """The full checkpoint of ``path`` in any layout (a DeepSpeed directory needs its ``universal`` conversion).
+def full_checkpoint(path: str) -> dict[str, Any]:
+    """The full checkpoint of ``path`` in any layout lplugins knows.
 
     Raises:
-        LayoutError: the layout is unknown, or a DeepSpeed directory came without its conversion.
+        LayoutError: the layout is unknown (or a ZeRO directory this reader does not know: the message says why).
     """
     kind = layout(path)
     if kind == FULL_FILE:
@@ -289,9 +177,7 @@ def full_checkpoint(path: str, universal: str | None = None) -> dict[str, Any]:
     if kind == DCP_DIR:
         return full_from_dcp(path)
     if kind == DEEPSPEED_DIR:
-        if universal is None:
-            raise LayoutError(f"{path} is {DEEPSPEED_DIR}: convert it to a universal checkpoint first")
-        return full_from_universal(universal)
+        return full_from_zero(path)
     raise LayoutError(f"{path} is not a checkpoint layout lplugins knows (a file, {DEEPSPEED_DIR}, {DCP_DIR})")
 
 
@@ -430,3 +316,21 @@ def load_full_into_deepspeed(strategy: Any, checkpoint: dict[str, Any]) -> dict[
             if key != "params" and key in group:
                 group[key] = value
     return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+
+def restore_loss_scale(engine: Any, saved: dict[str, Any] | None) -> None:
+    """Give a loss-scaling (fp16) DeepSpeed engine the loss-scaler state a ZeRO checkpoint saved (scale, iteration,
+    last overflow, hysteresis), as DeepSpeed's own load of the same topology does; nothing to do without one."""
+    scaler = getattr(getattr(engine, "optimizer", None), "loss_scaler", None)
+    if not saved or scaler is None or not engine.fp16_enabled():
+        return
+    for key, value in saved.items():
+        if key != "class" and hasattr(scaler, key):
+            setattr(scaler, key, value)
+
+
+def torch_loss_scale(checkpoint: dict[str, Any]) -> bool:
+    """Whether a full checkpoint holds the state of torch's ``GradScaler`` (Lightning's ``16-mixed``), which a
+    DeepSpeed fp16 engine's loss scaler cannot take."""
+    state = checkpoint.get("MixedPrecision")
+    return isinstance(state, dict) and "scale" in state

@@ -7,7 +7,8 @@ rank zero converts the checkpoint to one full checkpoint file (:mod:`lplugins._p
 it as ``<checkpoint>.converted/full.ckpt`` and reused by every later resume (:mod:`lplugins._lightning.converted`:
 committed atomically, verified before reuse, removed with its checkpoint by retention), and every rank then loads
 that file as this run's strategy loads any full checkpoint. The checkpoint itself is only read, and verified
-against its commit marker as always.
+against its commit marker as always. A ZeRO directory is read once, in rank zero's process, each parameter cut out
+of the ranks' partitions (:func:`lplugins._pl._lightning.zero_shards.full_from_zero`; no universal conversion).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lplugins._lightning.converted import cached_conversion, converted_dir
-from lplugins._pl._lightning.portable import DEEPSPEED_DIR, convert_to_universal, full_checkpoint, layout
+from lplugins._lightning.converted import FULL_CHECKPOINT, cached_conversion, converted_dir
+from lplugins._pl._lightning.portable import DEEPSPEED_DIR, full_checkpoint, layout
+from lplugins._pl._lightning.zero_shards import compact, loss_scaled
 from lplugins._log import announce
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._reshard import ReshardError, family, needs_full_checkpoint
@@ -24,23 +26,18 @@ from lplugins.callbacks._reshard import ReshardError, family, needs_full_checkpo
 __all__ = ["FULL", "build_full_checkpoint", "portable_path"]
 
 #: The name of the full-checkpoint conversion in ``<checkpoint>.converted``.
-FULL = "full.ckpt"
+FULL = FULL_CHECKPOINT
 
 
 def build_full_checkpoint(path: str, out: str) -> None:
     """Write the checkpoint ``path`` (any layout lplugins knows) as one full checkpoint file ``out``.
-
-    A DeepSpeed directory goes through its universal conversion (kept too: ``<checkpoint>.converted/universal``).
 
     Raises:
         LayoutError: the layout is not one lplugins knows.
     """
     import torch
 
-    universal = None
-    if layout(path) == DEEPSPEED_DIR:
-        universal, _ = cached_conversion(path, "universal", lambda tmp: convert_to_universal(path, tmp))
-    torch.save(full_checkpoint(path, universal), out)
+    torch.save(compact(full_checkpoint(path)), out)
 
 
 def portable_path(trainer: Any, record: Record, path: str) -> str:
@@ -52,6 +49,14 @@ def portable_path(trainer: Any, record: Record, path: str) -> str:
     if not needs_full_checkpoint(trainer, record):
         return path
     error: str | None = None
+    if "16-mixed" in str(getattr(trainer, "precision", "")) and layout(path) == DEEPSPEED_DIR and loss_scaled(path):
+        raise ReshardError(  # the same on every rank (each reads rank 0's optimizer file)
+            f"Cannot resume {path} (a DeepSpeed ZeRO directory trained in fp16 with DeepSpeed's loss scale) with"
+            f" {type(trainer.strategy).__name__} and precision '16-mixed' on {trainer.world_size} rank(s): torch's"
+            " GradScaler cannot take DeepSpeed's loss scale, so the loss scale would restart (steps skipped, not the"
+            " run saved). Resume it with DeepSpeed (any stage, any number of ranks), or with precision 'bf16-mixed'"
+            " or '32-true' (the fp32 weights and optimizer state move exactly)."
+        )
     if trainer.is_global_zero:
         try:
             target, how = cached_conversion(path, FULL, lambda tmp: build_full_checkpoint(path, tmp))

@@ -40,16 +40,16 @@ from typing_extensions import override
 
 from lplugins._pl import _lightning
 from lplugins._errors import LPluginsError
-from lplugins._lightning.converted import cached_conversion, converted_dir
+from lplugins._lightning.converted import FULL_CHECKPOINT, commit_in_background
 from lplugins._pl._lightning.portable import (
     DEEPSPEED_DIR,
     FULL_FILE,
     convert_to_universal,
     deepspeed_stage,
-    full_from_universal,
+    full_from_zero,
     saved_dp_world_size,
-    universal_load,
 )
+from lplugins._pl._lightning.zero_shards import LOSS_SCALE_KEY, compact
 from lplugins._validate import is_int, positive_int
 from lplugins._pl.strategies import _elastic
 from lplugins.strategies._ds_config import (
@@ -237,14 +237,14 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
         return checkpoint
 
     def _load_any_world_size(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's load; any other layout converted (once: kept next to the checkpoint) to one this run loads.
+        """Lightning's load; any other layout read as one full checkpoint and put into this engine.
 
-        * A ZeRO checkpoint of another data-parallel world size: rank zero converts it with DeepSpeed's
-          ``ds_to_universal`` into ``<checkpoint>.converted/universal`` (the original is only read; a conversion
-          made before is reused once its bytes are checked), and every rank loads that with DeepSpeed's universal
-          loader (fp32 weights and Adam moments re-partitioned for this world size).
-        * A ZeRO-3 checkpoint into ZeRO-1/2, or the other way: its universal conversion is read as one full
-          checkpoint and put into this engine (below).
+        * A ZeRO checkpoint of another data-parallel world size or another stage: every rank reads the shard files
+          once, in its own process (:func:`lplugins._pl._lightning.zero_shards.full_from_zero`: each parameter's fp32
+          value and optimizer state cut out of the saved partitions, no universal conversion, no rank waiting for
+          another), and puts them into this engine's partitions (below); rank zero then keeps the result beside
+          the checkpoint (``<checkpoint>.converted/full.ckpt``, committed with its manifest on a background
+          thread: the resumes that load a file, DDP, FSDP2 and ``lplugins checkpoint export``, reuse it).
         * One full checkpoint file (single device, DDP, FSDP2's full file, a stock ``ModelCheckpoint`` file, or
           the conversion of an FSDP2 sharded directory): each parameter's fp32 value and optimizer moments go
           into this engine's partitions (:func:`lplugins._pl._lightning.load_full_into_deepspeed`).
@@ -253,8 +253,8 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
         ZeRO-3 strategy with ``load_full_weights=True``.
 
         Raises:
-            DeepSpeedReshardError: on every rank, when a conversion fails (rank zero's error in the message) or the
-                checkpoint's state does not fit this model and optimizer (before anything is loaded).
+            DeepSpeedReshardError: on every rank, when reading the checkpoint fails (each rank's error in the
+                message) or its state does not fit this model and optimizer (before anything is loaded).
         """
         from pytorch_lightning.trainer.states import TrainerFn
 
@@ -278,45 +278,46 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
         crosses = stage is not None and now is not None and stage != now  # ZeRO-1 <-> 2 <-> 3: through a full one
         if saved == self.world_size and not crosses:
             return load(checkpoint_path, weights_only)
-        universal = self._universal(path, saved)
-        if crosses:
-            return self._load_full(path, full_from_universal(universal), f"{DEEPSPEED_DIR} (ZeRO-{stage})")
-        with universal_load(self.deepspeed_engine):
-            checkpoint: dict[str, Any] = load(universal, weights_only)
-        return checkpoint
+        return self._load_full(path, self._read_zero(path, saved), f"{DEEPSPEED_DIR} (ZeRO-{stage}, {saved} rank(s))")
 
-    def _universal(self, path: str, saved: int) -> str:
-        """The universal conversion of the ZeRO checkpoint ``path``: made or reused by rank zero, then on every rank."""
+    def _read_zero(self, path: str, saved: int) -> dict[str, Any]:
+        """The ZeRO checkpoint ``path`` as one full checkpoint, read on every rank; rank zero keeps it beside it."""
         import time
 
+        start = time.perf_counter()
         error: str | None = None
-        if self.is_global_zero:
-            try:
-                start = time.perf_counter()
-                work, how = cached_conversion(path, "universal", lambda tmp: convert_to_universal(path, tmp))
-                seconds = time.perf_counter() - start
-                said = f"converted to a universal checkpoint in {seconds:.1f}s" if how.startswith("made") else how
-                rank_zero_info(
-                    f"lplugins: DeepSpeed checkpoint {path} was saved by {saved} data-parallel rank(s); {said} to"
-                    f" load on {self.world_size} ({work}; kept for the next resume, removed with the checkpoint)"
-                )
-            except Exception as err:  # said on every rank below
-                error = f"{type(err).__name__}: {err}"
-        error = self.broadcast(error)
-        if error is not None:
+        try:
+            checkpoint = full_from_zero(path)
+        except Exception as err:  # said on every rank below
+            error, checkpoint = f"{type(err).__name__}: {err}", {}
+        if not self.reduce_boolean_decision(error is None, all=True):
             raise DeepSpeedReshardError(
                 f"Cannot resume DeepSpeed checkpoint {path} (saved by {saved} data-parallel rank(s)) on"
-                f" {self.world_size}: converting it to a universal checkpoint failed on rank 0 ({error}). Resume"
-                f" it on {saved} rank(s), or convert it yourself with DeepSpeed's ds_to_universal and load the"
-                " result with 'checkpoint': {'load_universal': true} in the DeepSpeed config."
+                f" {self.world_size}: reading its ZeRO partitions failed ({error or 'on another rank'}). Resume it on"
+                f" {saved} rank(s) with the ZeRO stage it was written with."
             )
-        return os.path.join(converted_dir(path), "universal")
+        if self.is_global_zero:
+            snapshot = compact(checkpoint, tensors=False)  # Lightning changes its dicts as it restores them
+            commit_in_background(path, FULL_CHECKPOINT, lambda tmp: _save(compact(snapshot), tmp))
+            rank_zero_info(
+                f"lplugins: DeepSpeed checkpoint {path} was saved by {saved} data-parallel rank(s); read as one full"
+                f" checkpoint in {time.perf_counter() - start:.2f}s to load on {self.world_size} (kept beside it for"
+                f" the next resume in another layout: {os.path.basename(path)}.converted/{FULL_CHECKPOINT})"
+            )
+        return checkpoint
 
     def _load_full(self, path: str, checkpoint: dict[str, Any], source: str) -> dict[str, Any]:
         """Put a full checkpoint into the engine; a state that does not fit is refused before anything is set."""
         stage = (self.config or {}).get("zero_optimization", {}).get("stage") if isinstance(self.config, dict) else "?"
         try:
+            if self.deepspeed_engine.fp16_enabled() and _lightning.torch_loss_scale(checkpoint):
+                raise _lightning.LayoutError(
+                    "it holds the loss scale of torch's GradScaler (precision '16-mixed'), which DeepSpeed's fp16 loss"
+                    " scaler cannot take: resuming would restart the loss scale (steps skipped, not the run saved)."
+                    " Resume it with precision 'bf16-mixed' or '32-true' (the fp32 state moves exactly)"
+                )
             rest: dict[str, Any] = _lightning.load_full_into_deepspeed(self, checkpoint)
+            _lightning.restore_loss_scale(self.deepspeed_engine, rest.pop(LOSS_SCALE_KEY, None))
         except _lightning.LayoutError as err:
             raise DeepSpeedReshardError(
                 f"Cannot resume {path} ({source}) with DeepSpeed ZeRO-{stage} on {self.world_size} rank(s): {err}."
@@ -423,6 +424,12 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
 
 class DeepSpeedReshardError(LPluginsError, RuntimeError):
     """A ZeRO checkpoint of another data-parallel world size could not be converted to load on this one."""
+
+
+def _save(checkpoint: dict[str, Any], out: str) -> None:
+    import torch
+
+    torch.save(checkpoint, out)
 
 
 def _use_deepspeed_cpu_accelerator() -> None:
