@@ -106,7 +106,12 @@ def _reported(result: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy", ["fsdp2", "deepspeed_stage_2_cpu"])  # ray_ddp: the restart tests below
+@pytest.mark.parametrize(
+    "strategy",
+    # ray_ddp: the restart tests below; deepspeed (extended): the same reporting path as [fsdp2] (a directory
+    # checkpoint of every rank), with DeepSpeed's directory commits covered by test_checkpoint_deepspeed.py
+    ["fsdp2", pytest.param("deepspeed_stage_2_cpu", marks=pytest.mark.extended)],
+)
 def test_trains_with_two_workers_and_reports_every_commit(ray_session: None, tmp_path: Path, strategy: str) -> None:
     result = lplugins.ray.fit(
         Regression(hidden=(8,), seed=0),
