@@ -121,6 +121,7 @@ def worker(args: argparse.Namespace) -> None:
                 "participating": participating,
                 "participants": participants,
                 "t": now,
+                "retried": strategy.retried_steps,
             }
             if committed and len(first_step) == 1:
                 entry["disk_reads_before_first_step"] = len(reads)
@@ -133,7 +134,12 @@ def worker(args: argparse.Namespace) -> None:
 
     trainer = pl.Trainer(
         **lplugins.compose(
-            strategy={"name": "ft_ddp", "timeout": 20.0, "quorum_timeout": 120.0},
+            strategy={
+                "name": "ft_ddp",
+                "timeout": 20.0,
+                "quorum_timeout": 120.0,
+                "reduce_dtype": None if args.reduce_dtype == "same" else args.reduce_dtype,
+            },
             accelerator="cpu",
             precision=args.precision,
             max_epochs=1,
@@ -147,6 +153,41 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(module, DataLoader(Ticks(), batch_size=None))
     torch.save({k: v.detach().double() for k, v in module.net.state_dict().items()}, out / f"final_{replica}.weights")
     record.write(json.dumps({"event": "done", "ft_step": trainer.strategy.ft_step, "t": time.time()}) + "\n")
+
+
+# ------------------------------------------------------------------- the cost of reduce_dtype="float64"
+def _reduce_cost(rank: int, port: int, numel: int, out: str) -> None:
+    """One of 3 gloo processes: the model's gradient all-reduced as float32, then summed in float64, interleaved."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    grad = torch.randn(numel)
+    took: dict[str, list[float]] = {"float32": [], "float64": []}
+    for _ in range(60):
+        for name in took:
+            dist.barrier()
+            start = time.perf_counter()
+            flat = grad.to(getattr(torch, name))  # a copy either way, as ft_ddp's flat buffer
+            dist.all_reduce(flat)
+            flat /= 3
+            grad.copy_(flat) if name == "float32" else flat.to(torch.float32)
+            took[name].append(time.perf_counter() - start)
+    if rank == 0:
+        Path(out).write_text(json.dumps({k: round(1000 * statistics.median(v[10:]), 1) for k, v in took.items()}))
+    dist.destroy_process_group()
+
+
+def measure_reduce_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Median ms of the all-reduce of the benchmark model's gradient, as is and summed in float64."""
+    import torch.multiprocessing as mp
+
+    numel = sum(p.numel() for p in _model(args.seed, args.dim, args.hidden, args.layers).parameters())
+    out = Path(tempfile.mkdtemp(prefix="bench_ft_reduce_")) / "cost.json"
+    port = random.Random().randrange(20000, 60000)
+    mp.spawn(_reduce_cost, args=(port, numel, str(out)), nprocs=3)
+    return {"numel": numel, "allreduce_median_ms": json.loads(out.read_text())}
 
 
 # ------------------------------------------------------------------------------------ the driver
@@ -172,6 +213,19 @@ def _committed_since(out: Path, pid: int, since: float) -> float | None:
     return None
 
 
+def _gap_causes(spans: list[tuple[float, float]], kills: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each gap between two committed steps of a process, by what happened in it: a kill, a rejoin, neither."""
+    causes: dict[str, list[float]] = {"kill": [], "rejoin": [], "other": []}
+    for start, end in spans:
+        if any(start < kill["t"] <= end for kill in kills):
+            causes["kill"].append(end - start)
+        elif any(start < kill.get("rejoined", 0.0) <= end + 0.05 for kill in kills):
+            causes["rejoin"].append(end - start)
+        else:
+            causes["other"].append(end - start)
+    return causes
+
+
 def _replay(args: argparse.Namespace, participants: dict[int, set[int]], counts: dict[int, int]) -> Any:
     import torch
 
@@ -180,10 +234,11 @@ def _replay(args: argparse.Namespace, participants: dict[int, set[int]], counts:
     if args.precision.startswith("64"):
         net = net.double()
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
+    summed = torch.float64 if args.reduce_dtype == "float64" else next(net.parameters()).dtype
     for step in sorted(participants):
         groups = sorted(participants[step])
         optimizer.zero_grad()
-        grads = [torch.zeros_like(p) for p in net.parameters()]
+        grads = [torch.zeros_like(p, dtype=summed) for p in net.parameters()]
         for replica in groups:
             x, y = _batch(args.seed, replica, step, args.batch, args.dim)
             if args.precision.startswith("64"):
@@ -193,7 +248,7 @@ def _replay(args: argparse.Namespace, participants: dict[int, set[int]], counts:
             for acc, p in zip(grads, net.parameters(), strict=True):
                 acc += p.grad
         for acc, p in zip(grads, net.parameters(), strict=True):
-            p.grad = acc / counts[step]
+            p.grad = (acc / counts[step]).to(p.dtype)
         optimizer.step()
     return {k: v.detach().double() for k, v in net.state_dict().items()}
 
@@ -206,7 +261,13 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--interval", type=float, default=5.0, help="seconds after a rejoin before the next kill")
     parser.add_argument("--after", type=int, default=20, help="steps to run after the last rejoin")
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=250)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=100)
+    parser.add_argument("--quorum-tick-ms", type=int, default=10)
+    parser.add_argument(
+        "--reduce-dtype",
+        default="same",
+        help="ft_ddp's reduce_dtype: 'same' (the gradients' own) or 'float64' (a sum that does not depend on order)",
+    )
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=3)
@@ -214,7 +275,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reduce-cost", action="store_true", help="only time the all-reduce, float32 vs float64 sums (3 processes)"
+    )
     args = parser.parse_args()
+    if args.reduce_cost:
+        print(json.dumps(measure_reduce_cost(args)))
+        return
     if args.worker:
         worker(args)
         return
@@ -225,7 +292,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="bench_ft_"))
     forwarded = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("dim", "hidden", "layers", "batch", "lr", "precision", "seed")
+        for k in ("dim", "hidden", "layers", "batch", "lr", "precision", "seed", "reduce_dtype")
     ]
     launcher = Launcher(
         [sys.executable, os.path.abspath(__file__), "--worker", f"--out={out}", *forwarded],
@@ -233,6 +300,7 @@ def main() -> None:
         min_replicas=max(1, args.replicas // 2 + 1),
         max_restarts=args.kills + 5,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        quorum_tick_ms=args.quorum_tick_ms,
         env={"RUST_LOG": "warn", "OMP_NUM_THREADS": "1"},
         log_dir=out / "logs",
     )
@@ -279,15 +347,19 @@ def main() -> None:
         status = launcher.wait()
     finally:
         launcher.stop()
+        (out / "kills.json").write_text(json.dumps(kills))
     wall = time.time() - t0
     records = _records(out)
 
     # survivors: gaps between consecutive committed steps of each process
     gaps: list[float] = []
+    spans: list[tuple[float, float]] = []
     for rows in records.values():
         times = [r["t"] for r in rows if r.get("committed")]
-        gaps += [b - a for a, b in itertools.pairwise(times[1:])]  # the first step is start-up
+        spans += list(itertools.pairwise(times[1:]))  # the first step is start-up
+    gaps = [b - a for a, b in spans]
     median_gap = statistics.median(gaps)
+    causes = _gap_causes(spans, kills)
     # the rejoins
     starts = {e.pid: e.time for e in launcher.events if e.kind == "start"}
     rejoin, to_start, to_training, to_first = [], [], [], []
@@ -350,11 +422,16 @@ def main() -> None:
         "median_step_gap_ms": round(1000 * median_gap, 1),
         "max_step_gap_ms": round(1000 * max(gaps), 1),
         "max_gap_over_median": round(max(gaps) / median_gap, 2),
+        **{f"max_gap_at_{cause}_ms": round(1000 * max(found, default=0.0), 1) for cause, found in causes.items()},
+        "gaps_over_3x_median": sum(gap > 3 * median_gap for gap in gaps),
         "rejoin_median_s": round(statistics.median(rejoin), 3) if rejoin else None,
         "rejoin_max_s": round(max(rejoin), 3) if rejoin else None,
         "kill_to_process_start_median_s": round(statistics.median(to_start), 3) if to_start else None,
         "process_start_to_training_median_s": round(statistics.median(to_training), 3) if to_training else None,
         "training_to_first_step_median_s": round(statistics.median(to_first), 3) if to_first else None,
+        "steps_committed_on_a_retry": sum(
+            max((r.get("retried", 0) for r in rows), default=0) for rows in records.values()
+        ),
         "rejoins_with_state_from_peer": recoveries,
         "disk_reads_on_recovery_path": disk_reads,
         "steps_with_a_killed_groups_batch_inferred": inferred,
@@ -362,7 +439,10 @@ def main() -> None:
         "final_groups_compared": len(finals),
         "max_abs_diff_vs_replay": max(diffs) if diffs else None,
         "precision": args.precision,
+        "reduce_dtype": args.reduce_dtype,
+        "heartbeat_timeout_ms": args.heartbeat_timeout_ms,
         "wall_s": round(wall, 1),
+        "out": str(out),
     }
     print(json.dumps(result))
 

@@ -63,6 +63,9 @@ def test_without_a_lighthouse_setting_the_error_names_the_variable(monkeypatch: 
         ({"replica_id": 0, "num_replica_groups": 3, "min_replicas": 4}, r"min_replicas=4 .* between 1 and"),
         ({"num_replica_groups": 3}, r"REPLICA_GROUP_ID not set"),
         ({"replica_id": 0, "num_replica_groups": 2, "max_steps": 0}, r"max_steps=0 must be a positive int"),
+        ({"step_retries": -1}, r"step_retries=-1 must be an int >= 0"),
+        ({"reduce_dtype": "int64"}, r"reduce_dtype='int64' is not a floating-point dtype: use None .* or 'float64'"),
+        ({"heartbeat_interval": 0}, r"heartbeat_interval=0 must be a positive number of seconds"),
     ],
 )
 def test_wrong_replica_counts_are_refused(monkeypatch: pytest.MonkeyPatch, params: dict[str, Any], needle: str) -> None:
@@ -298,6 +301,7 @@ def test_two_replica_groups_accumulate_log_once_checkpoint_and_resume_from_disk(
 
 
 KILL_ARGS = ("--kills", "3", "--interval", "3", "--hidden", "128", "--batch", "32", "--after", "10")
+KILL_ARGS += ("--reduce-dtype", "float64")  # the mean does not depend on who sums first: the replay is exact
 
 
 @pytest.mark.distributed
@@ -305,7 +309,7 @@ KILL_ARGS = ("--kills", "3", "--interval", "3", "--hidden", "128", "--batch", "3
 @pytest.mark.extended  # covered in the default tier by the two-group test (same strategy, launcher, replay)
 @pytest.mark.timeout(600)
 def test_killed_groups_rejoin_from_a_peer_and_match_the_replay() -> None:
-    """3 groups, 3 SIGKILLs of a random group restarted by the launcher (benchmarks/bench_ft.py)."""
+    """3 groups, 3 SIGKILLs of a random group restarted by the launcher (benchmarks/bench_ft.py), float64 sums."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_ft.py"), *KILL_ARGS],
         capture_output=True,
@@ -320,3 +324,136 @@ def test_killed_groups_rejoin_from_a_peer_and_match_the_replay() -> None:
     assert figures["disk_reads_on_recovery_path"] == 0, figures
     assert figures["steps_ambiguous"] == 0 and figures["final_groups_compared"] == 3, figures
     assert figures["max_abs_diff_vs_replay"] <= 1e-6, figures
+
+
+LEADER_TRAIN = textwrap.dedent(
+    """
+    import os, signal, sys, json
+    import torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, IterableDataset
+    import lplugins
+
+    out = sys.argv[1]
+    replica = int(os.environ["REPLICA_GROUP_ID"])
+    torch.set_num_threads(1)
+
+    class Ticks(IterableDataset):
+        def __iter__(self):
+            while True:
+                yield 0
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            g = torch.Generator().manual_seed(1000 * self.trainer.strategy.ft_step + replica)
+            x = torch.randn(8, 4, generator=g)
+            return torch.nn.functional.mse_loss(self.net(x), x.sum(1, keepdim=True))
+
+        def on_train_batch_end(self, *_):
+            strategy = self.trainer.strategy
+            if strategy.last_step is None or strategy.last_step is getattr(self, "seen", None):
+                return  # a micro-batch that did not end its accumulation window
+            self.seen = strategy.last_step
+            step, committed = strategy.last_step[:2]
+            if committed:
+                self.log("job_step", float(step), on_step=True)
+            first_run = not os.path.exists(f"{out}/killed")
+            if replica == 0 and first_run and step >= 3:  # the leader is lost
+                with open(f"{out}/killed", "w") as f:
+                    f.write(str(step))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if replica == 0 and not first_run and committed and not os.path.exists(f"{out}/rejoined"):
+                with open(f"{out}/rejoined.tmp", "w") as f:
+                    f.write(str(step))
+                os.replace(f"{out}/rejoined.tmp", f"{out}/rejoined")
+            if os.path.exists(f"{out}/rejoined"):
+                with open(f"{out}/rejoined") as f:
+                    if strategy.ft_step >= int(f.read()) + 6:
+                        self.trainer.should_stop = True
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = pl.Trainer(**lplugins.compose(
+        strategy={"name": "ft_ddp", "max_steps": 20000, "init_sync": False},
+        accelerator="cpu",
+        precision="bf16-mixed",
+        accumulate_grad_batches={"name": "step", "schedule": {0: 2}},
+        max_epochs=1, log_every_n_steps=1,
+        logger=CSVLogger(out, name=f"replica_{replica}", version=os.getpid()),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ))
+    module = Module()
+    trainer.fit(module, DataLoader(Ticks(), batch_size=None))
+    with open(f"{out}/final_{replica}.json", "w") as f:
+        json.dump([p.detach().double().flatten().tolist() for p in module.net.parameters()], f)
+    """
+)
+
+
+def _logged_steps(path: Path) -> list[int]:
+    lines = path.read_text().splitlines()
+    if not lines or "job_step" not in lines[0].split(","):
+        return []
+    column = lines[0].split(",").index("job_step")
+    return [int(float(line.split(",")[column])) for line in lines[1:] if line.split(",")[column]]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.extended  # a restart without a spare (a fresh interpreter's imports): tens of seconds
+@pytest.mark.timeout(300)
+def test_the_leader_is_lost_logging_follows_the_new_leader_once_with_a_schedule_and_a_precision_name(
+    tmp_path: Path,
+) -> None:
+    """2 groups under ``lplugins ft run``'s launcher; group 0 (the leader) is SIGKILLed at step 3 and restarted.
+
+    Group 1 leads while group 0 is down, group 0 leads again once it has rejoined; every step after the
+    kill is logged exactly once, by the group that led it (group 1's rows,
+    held in memory by its CSVLogger, are written when it stops leading). A named accumulation schedule
+    and a precision name are in the Trainer, and both groups end with the same parameters.
+    """
+    from lplugins._cli.ft_launch import Launcher
+
+    (tmp_path / "train.py").write_text(LEADER_TRAIN)
+    launcher = Launcher(
+        [sys.executable, str(tmp_path / "train.py"), str(tmp_path)],
+        2,
+        min_replicas=1,
+        max_restarts=1,
+        spare=False,
+        heartbeat_timeout_ms=500,
+        env={"RUST_LOG": "warn", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        log_dir=tmp_path / "logs",
+    )
+    launcher.start()
+    deadline = time.monotonic() + 240
+    try:
+        while not launcher.poll():
+            assert time.monotonic() < deadline, "replica groups did not finish in 240s"
+            time.sleep(0.05)
+    finally:
+        launcher.stop()
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+    exits = [e.returncode for e in launcher.events if e.kind == "exit"]
+    assert sorted(exits) == [-signal.SIGKILL, 0, 0], logs
+    runs = {path.parent: _logged_steps(path) for path in tmp_path.glob("replica_*/version_*/metrics.csv")}
+    by_replica_1 = [step for run, steps in runs.items() if run.parent.name == "replica_1" for step in steps]
+    pid_0 = {e.pid for e in launcher.events if e.replica == 0 and e.kind == "start"}
+    restarted = max(pid_0)  # the restarted group 0's process
+    by_new_0 = runs.get(tmp_path / "replica_0" / f"version_{restarted}", [])
+    killed, rejoined = (int((tmp_path / name).read_text()) for name in ("killed", "rejoined"))
+    # (before the kill both groups may have logged: with min_replicas=1 each can start in a quorum of its own)
+    assert [s for s in by_replica_1 if killed < s < rejoined], (runs, logs)  # group 1 led while group 0 was down
+    assert by_new_0 and min(by_new_0) <= rejoined + 1, (runs, logs)  # group 0 leads again once it has rejoined
+    every = sorted(step for steps in runs.values() for step in steps if step > killed)
+    assert every == list(range(killed + 1, every[-1] + 1)), runs  # after the kill: each step once, none missing
+    assert every[-1] >= rejoined + 5
+    finals = [json.loads((tmp_path / f"final_{replica}.json").read_text()) for replica in (0, 1)]
+    assert finals[0] == finals[1]

@@ -42,9 +42,12 @@ def start_lighthouse(
     port: int = 0,
     heartbeat_timeout_ms: int = 1000,
     join_timeout_ms: int = 60000,
-    quorum_tick_ms: int = 100,
+    quorum_tick_ms: int = 10,
 ) -> Any:
     """Start torchft's lighthouse in this process; ``server.address()`` is its URL.
+
+    A quorum that waits for a lost group forms at the first quorum tick after the group's heartbeat
+    timed out: a short tick (10 ms; torchft's default is 100) keeps that wait near the heartbeat timeout.
 
     Raises:
         FTUnavailableError: torchft is not installed.
@@ -100,7 +103,9 @@ class Launcher:
         total_replicas: The job's number of groups (default ``first_replica + replicas``).
         max_restarts: How many restarts in all, for all groups together.
         port: The port of the lighthouse started here (``0``: any free one).
-        heartbeat_timeout_ms: How long without a heartbeat before the lighthouse drops a group.
+        heartbeat_timeout_ms: How long without a heartbeat before the lighthouse drops a group (the
+            groups heartbeat every quarter of it: ``LPLUGINS_FT_HEARTBEAT_MS``, unless set).
+        quorum_tick_ms: How often the lighthouse checks whether a quorum can form.
         spare: Keep a warm spare (only for ``python script.py`` commands).
         env: Extra environment for every group.
         log_dir: Where each process's output goes (``replica_<id>.<n>.log``); ``None``: inherited.
@@ -121,6 +126,7 @@ class Launcher:
         max_restarts: int = 10,
         port: int = 0,
         heartbeat_timeout_ms: int = 1000,
+        quorum_tick_ms: int = 10,
         spare: bool = True,
         env: Mapping[str, str] | None = None,
         log_dir: str | os.PathLike[str] | None = None,
@@ -147,6 +153,7 @@ class Launcher:
             )
         self.max_restarts = _positive("max_restarts", max_restarts, 0)
         self.heartbeat_timeout_ms = _positive("heartbeat_timeout_ms", heartbeat_timeout_ms)
+        self.quorum_tick_ms = _positive("quorum_tick_ms", quorum_tick_ms)
         if lighthouse is not None:
             _ft_env.check_lighthouse(lighthouse, setting="--lighthouse")
         else:
@@ -169,7 +176,10 @@ class Launcher:
         """Start the lighthouse (unless given), every replica group and the spare; the lighthouse URL."""
         if self.lighthouse is None:
             self._server = start_lighthouse(
-                min_replicas=self.min_replicas, port=self.port, heartbeat_timeout_ms=self.heartbeat_timeout_ms
+                min_replicas=self.min_replicas,
+                port=self.port,
+                heartbeat_timeout_ms=self.heartbeat_timeout_ms,
+                quorum_tick_ms=self.quorum_tick_ms,
             )
             self.lighthouse = str(self._server.address())
         if self.log_dir is not None:
@@ -181,6 +191,7 @@ class Launcher:
 
     def _environment(self) -> dict[str, str]:
         return {
+            _ft_env.HEARTBEAT_VAR: str(max(10, self.heartbeat_timeout_ms // 4)),
             **os.environ,
             **self.env,
             _ft_env.LIGHTHOUSE_VAR: str(self.lighthouse),

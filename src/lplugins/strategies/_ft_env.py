@@ -10,9 +10,10 @@ bad setting fails before training with an error naming the setting and the comma
 ``REPLICA_GROUP_ID``        this process's replica group, ``0 .. NUM_REPLICA_GROUPS - 1``
 ``NUM_REPLICA_GROUPS``      how many replica groups the job has
 ``LPLUGINS_FT_MIN_REPLICAS``  the fewest replica groups a step may commit with (default 1)
+``LPLUGINS_FT_HEARTBEAT_MS``  milliseconds between a group's heartbeats to the lighthouse (default 100)
 ==========================  ==========================================================================
 
-``lplugins ft run`` sets all four for the processes it starts.
+``lplugins ft run`` sets all five for the processes it starts.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ __all__ = [
     "ReplicaConfig",
     "check_lighthouse",
     "check_trainer_kwargs",
+    "heartbeat_interval",
     "missing",
     "parse_lighthouse",
+    "reduce_dtype",
     "replica_config",
     "require",
 ]
@@ -47,6 +50,7 @@ LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 REPLICA_ID_VAR = "REPLICA_GROUP_ID"
 NUM_REPLICAS_VAR = "NUM_REPLICA_GROUPS"
 MIN_REPLICAS_VAR = "LPLUGINS_FT_MIN_REPLICAS"
+HEARTBEAT_VAR = "LPLUGINS_FT_HEARTBEAT_MS"
 
 #: The command that starts a lighthouse and the replica groups (docs/ft.md).
 RUN_HINT = "lplugins ft run --replicas N -- python train.py"
@@ -128,6 +132,40 @@ def check_lighthouse(address: str, *, setting: str = "lighthouse", timeout: floa
             f"Start one with `lplugins ft lighthouse --min-replicas 1 --port {port}` (or `torchft_lighthouse`), "
             f"or start the lighthouse and the replicas together with `{RUN_HINT}`."
         ) from err
+
+
+def heartbeat_interval(value: Any) -> Any:
+    """``value`` (seconds or a timedelta), else ``LPLUGINS_FT_HEARTBEAT_MS`` in seconds, else 0.1 (torchft's).
+
+    Raises:
+        FTConfigError: ``LPLUGINS_FT_HEARTBEAT_MS`` is not a positive integer.
+    """
+    if value is not None:
+        return value
+    raw = os.environ.get(HEARTBEAT_VAR, "").strip()
+    if not raw:
+        return 0.1
+    if not raw.isdigit() or int(raw) < 1:
+        raise FTConfigError(f"{HEARTBEAT_VAR}={raw!r} must be a positive integer (milliseconds).")
+    return int(raw) / 1000
+
+
+def reduce_dtype(value: Any) -> Any:
+    """``None``, or the floating-point ``torch.dtype`` named by ``value`` (``"float64"``, ``torch.float64``).
+
+    Raises:
+        FTConfigError: ``value`` does not name a floating-point dtype.
+    """
+    if value is None:
+        return None
+    import torch
+
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise FTConfigError(
+            f"reduce_dtype={value!r} is not a floating-point dtype: use None (the gradients' own) or 'float64'."
+        )
+    return dtype
 
 
 @dataclass(frozen=True)

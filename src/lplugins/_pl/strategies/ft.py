@@ -66,6 +66,17 @@ class FTDDPStrategy(SingleDeviceStrategy):
         max_steps: Stop after this many steps committed by the job (``None``: Lightning's limits only).
         timeout: Seconds for torchft's collectives, state transfer and commit calls.
         quorum_timeout: Seconds to wait for a quorum.
+        heartbeat_interval: Seconds between this group's heartbeats to the lighthouse (torchft's
+            ``heartbeat_interval``); keep it a fraction of the lighthouse's heartbeat timeout, which is
+            how long a lost group holds up the others. Default ``LPLUGINS_FT_HEARTBEAT_MS`` (``lplugins
+            ft run`` sets a quarter of ``--heartbeat-timeout-ms``), else 0.1.
+        step_retries: How many times a step whose all-reduce failed (a peer lost during it) is tried
+            again at once, with the same gradients, in a new quorum without the lost peer, before it is
+            dropped: the survivors do not recompute the step's forward and backward passes.
+        reduce_dtype: The dtype the gradients are summed in (``None``: their own). ``"float64"`` makes
+            the mean of float32 gradients independent of the order the replica groups are summed in
+            (gloo's ring order depends on who takes part), so a run matches a one-process replay of
+            the same steps; it doubles the bytes of the all-reduce.
         init_sync: Whether every group starts from the state of one group (torchft's ``init_sync``);
             ``False`` only when every group initialises its model identically (a fixed seed).
         host: The address other groups reach this one at (its store); default ``socket.gethostname()``.
@@ -90,6 +101,9 @@ class FTDDPStrategy(SingleDeviceStrategy):
         max_steps: int | None = None,
         timeout: float | timedelta = 60.0,
         quorum_timeout: float | timedelta = 60.0,
+        heartbeat_interval: float | timedelta | None = None,
+        step_retries: int = 3,
+        reduce_dtype: str | torch.dtype | None = None,
         init_sync: bool = True,
         host: str | None = None,
         check_lighthouse: bool = True,
@@ -98,6 +112,11 @@ class FTDDPStrategy(SingleDeviceStrategy):
         _ft_env.require("ft_ddp")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
             raise FTConfigError(f"max_steps={max_steps!r} must be a positive int (or None).")
+        if isinstance(step_retries, bool) or not isinstance(step_retries, int) or step_retries < 0:
+            raise FTConfigError(f"step_retries={step_retries!r} must be an int >= 0.")
+        self.step_retries = step_retries
+        self.reduce_dtype = _ft_env.reduce_dtype(reduce_dtype)
+        self._heartbeat = _seconds("heartbeat_interval", _ft_env.heartbeat_interval(heartbeat_interval))
         self.config: ReplicaConfig = _ft_env.replica_config(
             lighthouse=lighthouse,
             replica_id=replica_id,
@@ -114,6 +133,9 @@ class FTDDPStrategy(SingleDeviceStrategy):
         self._store: Any = None
         self._pg: Any = None
         self._last_step = 0
+        self._leader: bool | None = None
+        #: steps that committed on a retry (their first all-reduce failed: a peer was lost during it)
+        self.retried_steps = 0
         #: (torchft step, wall time) of each state this group received from a peer
         self.recoveries: list[tuple[int, float]] = []
         #: the last step: (the job's step it was, whether it committed, whether this group's gradients
@@ -196,6 +218,7 @@ class FTDDPStrategy(SingleDeviceStrategy):
             lighthouse_addr=self.config.lighthouse,
             replica_id=f"replica_{self.replica_id}",
             hostname=self._host,
+            heartbeat_interval=self._heartbeat,
             init_sync=self._init_sync,
         )
 
@@ -230,13 +253,27 @@ class FTDDPStrategy(SingleDeviceStrategy):
 
         def ft_closure() -> Any:
             result = closure()
-            self._average_gradients(optimizer)
-            participating = bool(manager.is_participating())  # False while recovering: its gradients were zeroed
-            committed = manager.should_commit()  # a recovering group applies its peer's state here
+            grads = self._gradients(optimizer)
+            local = torch.cat([grad.reshape(-1) for grad in grads]).to(self.reduce_dtype or grads[0].dtype)
+            for attempt in range(self.step_retries + 1):
+                if attempt:
+                    # the all-reduce failed (a peer was lost during it): the same gradients, in a new quorum
+                    manager.start_quorum()
+                flat = local.clone() if attempt < self.step_retries else local
+                committed, participating = self._reduce_and_commit(flat)
+                # retry only with gradients computed from the parameters the quorum has (not while recovering)
+                if committed or manager.errored() is None or not participating:
+                    break
+            self.retried_steps += int(committed and attempt > 0)
             step = int(manager.current_step()) - int(committed)
             self.last_step = (step, bool(committed), participating, int(manager.num_participants()))
             self._set_leader(manager.participating_rank() == 0)
-            if not committed:
+            if committed:
+                offset = 0
+                for grad in grads:
+                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+            else:
                 for group in optimizer.param_groups:
                     for param in group["params"]:
                         param.grad = None  # torch optimizers skip a parameter without a gradient
@@ -247,26 +284,43 @@ class FTDDPStrategy(SingleDeviceStrategy):
             self._module.trainer.should_stop = True
         return output
 
-    def _average_gradients(self, optimizer: Any) -> None:
-        """One fault-tolerant all-reduce (the mean over the quorum) of every gradient the optimizer steps."""
+    @staticmethod
+    def _gradients(optimizer: Any) -> list[torch.Tensor]:
+        """The gradient of every parameter the optimizer steps (zeros where none: every group sends one layout)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         for param in params:
-            if param.grad is None:  # every group sends the same layout
+            if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        grads = [param.grad for param in params]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        self._manager.allreduce(flat).wait()  # on an error torchft reports it and the step does not commit
-        if self._manager.errored() is not None and self._pg is not None:
+        return [param.grad for param in params]
+
+    def _reduce_and_commit(self, flat: torch.Tensor) -> tuple[bool, bool]:
+        """One fault-tolerant all-reduce (the mean over the quorum), then torchft's commit decision.
+
+        Returns whether the step commits, and whether this group's gradients counted (``False`` while it
+        recovers: torchft zeroes them, and the peer's state is applied in ``should_commit``).
+        """
+        manager = self._manager
+        manager.allreduce(flat).wait()  # on an error torchft reports it and the step does not commit
+        if manager.errored() is not None and self._pg is not None:
             # A peer died mid-collective. Only its neighbours in gloo's ring see the error; the others
             # would wait in the collective until the timeout. Aborting closes this group's connections,
             # so every survivor fails the step now and meets at the next quorum (which reconfigures).
             self._pg.abort()
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        participating = bool(manager.is_participating())
+        return bool(manager.should_commit()), participating
 
     def _set_leader(self, leader: bool) -> None:
+        if self._leader and not leader:
+            # Leadership moves to another group: what this group's loggers hold in memory (a CSVLogger
+            # writes every 100 steps) is written now, while they still act (``save`` is rank-zero only),
+            # so no logged step is lost and none is logged twice.
+            try:
+                loggers = list(self._module.trainer.loggers)
+            except RuntimeError:  # pragma: no cover - no Trainer attached
+                loggers = []
+            for logger in loggers:
+                logger.save()
+        self._leader = leader
         # what Lightning's own strategies set at setup (DDPStrategy.set_world_ranks), here at every quorum
         for function in (rank_zero_only, fabric_rank_zero_only):
             setattr(function, "rank", 0 if leader else 1)  # noqa: B010 - a function attribute mypy does not know
