@@ -136,11 +136,12 @@ def test_retention_deletes_only_after_a_newer_commit(tmp_path: Path) -> None:
             seen.append(steps(tmp_path))
 
     fit(DurableCheckpoint(tmp_path, every_n_steps=1, keep_last=1), max_steps=4, extra=[Watch()])
-    # never none, and always the newest committed one; the older one may still be there for a moment
-    # (retention deletes on a background thread, after the newer commit)
+    # never none, and always the newest committed one; older ones may still be there for a while (retention
+    # deletes on a background thread at a lower CPU priority, after the newer commit: under load it can lag
+    # a few steps)
     assert len(seen) == 4 and seen[0] == []
     for step, committed in enumerate(seen[1:], start=1):
-        assert committed and committed[-1] == step and set(committed) <= {step - 1, step}, seen
+        assert committed and committed[-1] == step and set(committed) <= set(range(1, step + 1)), seen
     assert steps(tmp_path) == [4]  # every delete is done when fit returns
 
 
