@@ -19,7 +19,7 @@ from lplugins._coord import board, stacks
 from lplugins._coord import watchdog as _watchdog
 from lplugins._env import COLLECTIVE_TIMEOUT, env_seconds
 from lplugins._errors import LPluginsError
-from tests._dist import run_script
+from tests._dist import run_script, run_together
 
 #: Starts two ranks as separate processes (as torchrun does: no launcher that kills the others), each
 #: logging to rankN.log; the job's own deadline keeps a hang from outliving the test.
@@ -330,3 +330,54 @@ def test_a_rank_killed_inside_an_agreement_is_missed_at_once_not_at_the_process_
     out = json.loads((tmp_path / "out0.json").read_text())
     assert out["missing"] == [1], out
     assert launch["codes"][1] == -9
+
+
+SETUP_GAP = r"""
+import json, os, time
+from datetime import timedelta
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from lplugins._coord import watchdog
+from tests.models import Regression, regression_loader
+
+SETUP_S, SLOW_STEP_S = 5.0, 1.5
+
+
+class Model(Regression):
+    def setup(self, stage):  # set-up between two collectives: as DeepSpeed's engine (its lazy imports), a restore
+        torch.distributed.barrier()
+        time.sleep(SETUP_S)
+        torch.distributed.barrier()
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(SLOW_STEP_S if batch_idx == 6 else 0.05)  # step 6 is genuinely slow, on every rank
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced", loss.detach(), sync_dist=True)  # a collective from Python in every step
+        return loss
+
+    def on_train_end(self):
+        seen = watchdog._thread.collective.seen
+        print(json.dumps({"rank": self.global_rank, "longest_s": max(seen, default=0.0), "steps": len(seen)}))
+
+
+trainer = pl.Trainer(strategy=DDPStrategy(timeout=timedelta(seconds=600)), accelerator="cpu", devices=2, max_steps=10,
+                     logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+trainer.fit(Model(8, (16,)), regression_loader(64, features=8, batch_size=4))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_the_collective_bound_learns_from_steps_not_from_set_up(tmp_path: Path) -> None:
+    """ZeRO-2's `dataloader` trials of #26 were named after 12.6 s and 17.6 s, not within 10 s: the bound had
+    grown to 3x a gap of 4-6 s between two collectives in DeepSpeed's engine set-up (its optimizer check imports
+    torch's compiler: 1 s idle, 4-6 s on a loaded machine). Gaps before Lightning's loop runs its first batch
+    are not steps; a slow step in the loop still raises the bound (no false alarm on a slow job)."""
+    env = {COLLECTIVE_TIMEOUT: "2"}  # a sample every 0.2 s
+    result = run_together(SETUP_GAP, tmp_path, timeout=100, env=env).check()
+    outs = sorted(result.json_objects(), key=lambda o: o["rank"])
+    assert [o["rank"] for o in outs] == [0, 1], result.stdout
+    for out in outs:
+        assert out["longest_s"] < 5.0 - 1.0, out  # the 5 s set-up gap is not a step
+        assert out["longest_s"] >= 1.5 - 0.5, out  # the 1.5 s step is

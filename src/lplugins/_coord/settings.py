@@ -7,7 +7,9 @@ Two thresholds, each a floor that the detector raises on its own when the job tu
     different collective, a stalled DataLoader) before it is a hang. In use:
     ``max(floor, 3 x the longest step seen)``, where a "step" is the time between two collectives
     completing on this rank (sampled by the watchdog; the longest of the last 200 is kept), so a job
-    whose steps take 20 s gets 60 s and a job of 50 ms steps keeps the floor.
+    whose steps take 20 s gets 60 s and a job of 50 ms steps keeps the floor. Only steps inside
+    Lightning's batch loops count (:func:`lplugins._coord.stacks.in_batch_loop`): a gap in set-up
+    (DeepSpeed's engine, a restore) is not a step.
 ``heartbeat_timeout`` (``LPLUGINS_HEARTBEAT_TIMEOUT``, default ``auto`` = 5 s)
     How long a rank's watchdog thread may be kept from running (its main thread holds the GIL, or
     the process is stopped) before that rank is unresponsive: its own C-level timer then writes its

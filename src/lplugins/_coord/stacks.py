@@ -19,7 +19,7 @@ from types import FrameType
 
 from lplugins._lightning.runtime import logged_metric
 
-__all__ = ["COLLECTIVES", "Where", "classify", "is_library", "thread_cpu_seconds"]
+__all__ = ["BATCH_LOOPS", "COLLECTIVES", "Where", "classify", "in_batch_loop", "is_library", "thread_cpu_seconds"]
 
 #: The ``torch.distributed`` functions that are collectives (the outermost one on the stack is named).
 COLLECTIVES = frozenset(
@@ -31,6 +31,9 @@ COLLECTIVES = frozenset(
         "recv_object_list", "batch_isend_irecv", "wait",
     }
 )  # fmt: skip
+#: The files of Lightning's loops that run batches (``<namespace>/loops/<file>``, method ``run``): training
+#: epochs, validation (the sanity check included), test and prediction. A main thread inside one is past set-up.
+BATCH_LOOPS = ("training_epoch_loop.py", "evaluation_loop.py", "prediction_loop.py")
 _LIBRARY_PACKAGES = (
     "torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning", "deepspeed",
     "torchmetrics", "lplugins",
@@ -114,6 +117,21 @@ def _site(frame: FrameType) -> str:
 
 def _qualname(frame: FrameType) -> str:
     return getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+
+
+def in_batch_loop(frame: FrameType | None) -> bool:
+    """Whether a (main thread's) stack is inside one of Lightning's loops that run batches (:data:`BATCH_LOOPS`).
+
+    Set-up (the process group, the strategy's ``setup``: DeepSpeed's engine, FSDP's sharding, a checkpoint's
+    restore) comes before; the sanity check, the first batch and every step after it are inside.
+    """
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "run" and os.path.basename(code.co_filename) in BATCH_LOOPS:
+            if os.path.basename(os.path.dirname(code.co_filename)) == "loops":
+                return True
+        frame = frame.f_back
+    return False
 
 
 def classify(frame: FrameType | None, waiting: str | None = None, cpu_idle: bool = False) -> Where:

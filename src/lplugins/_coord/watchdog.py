@@ -45,7 +45,7 @@ from lplugins._coord import board as _board_module
 from lplugins._coord import faults, mismatch, procs
 from lplugins._coord.board import DEFAULT_TIMEOUT, Board, add_note, current_board
 from lplugins._coord.settings import COLLECTIVE_VAR, DEFAULT_COLLECTIVE_S, DEFAULT_HEARTBEAT_S, STACKS_VAR, Adaptive
-from lplugins._coord.stacks import Where, classify, thread_cpu_seconds
+from lplugins._coord.stacks import Where, classify, in_batch_loop, thread_cpu_seconds
 from lplugins._log import announce, log
 
 __all__ = [
@@ -116,6 +116,7 @@ class _Watchdog(threading.Thread):
         self.report: str | None = None
         self.cpu: tuple[float, float] | None = None  # (wall, main-thread CPU seconds) at the last sample
         self.collective = Adaptive(_bound)  # the collective bound: max(floor, 3 x the longest step seen)
+        self.learning = False  # whether the steps are measured: from the first sample inside a batch loop on
         self.heartbeat = Adaptive(heartbeat)  # the GIL bound: max(floor, 3 x the longest sample delay seen)
         self.seq: int | None = None
         self.seq_at = 0.0
@@ -151,6 +152,7 @@ class _Watchdog(threading.Thread):
             if board is None:
                 return False
             self.state = None
+            self.learning = False  # a new process group: its set-up is not a step
             self._open_stack_file(board)
             _install_excepthook()  # an uncaught exception is posted for the other ranks
             global _announced
@@ -171,8 +173,10 @@ class _Watchdog(threading.Thread):
         self.last_tick = mono
         where, anchor = self.sample(board)
         seq = _seq()
+        if not self.learning and in_batch_loop(sys._current_frames().get(threading.main_thread().ident or -1)):
+            self.learning, self.seq, self.seq_at = True, seq, mono  # set-up is over: steps are measured from here
         if seq != self.seq:  # a collective completed (or started) since the last sample: a step's length
-            if self.seq is not None:
+            if self.seq is not None and self.learning:  # a gap in set-up (an engine built, a restore) is no step
                 self.collective.observe(mono - self.seq_at)
             self.seq, self.seq_at = seq, mono
         if self.state is None or self.state.where != where or self.state.anchor is not anchor:
