@@ -23,8 +23,6 @@ import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-
 from lplugins import _lightning
 from lplugins._log import announce
 from lplugins.callbacks._collective import agree_on_path, gather_failures
@@ -46,6 +44,7 @@ from lplugins.callbacks._refusals import (
     unsafe_error,
 )
 from lplugins.callbacks._reshard import check_resume, describe_resume, needs_full_checkpoint
+from lplugins.callbacks._safe_io import SafeResumeIO, load_weights_only, warn_not_weights_only
 from lplugins.callbacks._storage import Storage
 from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._verify import Overlapped, bytes_problem, can_verify
@@ -62,23 +61,8 @@ __all__ = [
     "latest_checkpoint",
     "load_weights_only",
     "understand_ckpt_path",
+    "warn_not_weights_only",
 ]
-
-
-def load_weights_only(
-    io: CheckpointIO, path: Any, map_location: Any = None, weights_only: bool = True
-) -> dict[str, Any]:
-    """Load ``path`` through ``io`` (``weights_only=True`` unless told otherwise), a refused payload made clear.
-
-    Raises:
-        UnsafeCheckpointError: the file holds objects outside torch's weights-only allow-list.
-    """
-    try:
-        if map_location is None:
-            return io.load_checkpoint(path, weights_only=weights_only)
-        return io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise unsafe_error(path, err) from err
 
 
 class NoCheckpoint(dict[str, Any]):
@@ -119,7 +103,11 @@ class LatestResolver:
         self.resolved: str | None = None
         self._io: SafeResumeIO | None = None
         self._unhide: Callable[[], None] | None = None
+        self._in_place = False
         self._loading = False  # inside a load: a nested one (a strategy calling its CheckpointIO) passes through
+        #: The load in progress is of a committed local file whose every byte is checked against its CRC32
+        #: (before or while it loads): :class:`SafeResumeIO` may memory-map it (``_safe_io.mapped_load``).
+        self.mapping = False
 
     # ------------------------------------------------------------------------------------------ loading
     def load(self, path: Any, attempt: Callable[[str], Any], *, in_place: bool = False) -> Any:
@@ -142,6 +130,7 @@ class LatestResolver:
             return attempt(path)
         # a full unpickle (weights_only=False) runs code: every byte is checked before it, not while
         self._unpickles = _lightning.running_weights_only() is False
+        self._in_place = in_place  # a strategy's own load: never memory-mapped under it
         if isinstance(path, str) and path == LATEST:
             return self._load_latest(attempt, in_place)
         return self._load_explicit(os.fspath(path), attempt)
@@ -241,11 +230,11 @@ class LatestResolver:
         elif self.deep or self._unpickles or not storage.parallel_reads:  # before loading (remote: one at a time)
             if (problem := check()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
-            result = self._attempt(path, attempt)
+            result = self._attempt(path, attempt, mapping=storage.parallel_reads and record.kind != "dir")
         else:
             with Overlapped(check) as job:
                 try:
-                    result = self._attempt(path, attempt)
+                    result = self._attempt(path, attempt, mapping=record.kind != "dir")
                 except Exception as err:
                     if (problem := job.result()) is not None:
                         raise DamagedCheckpointError(f"{path}: {problem}") from err
@@ -274,12 +263,12 @@ class LatestResolver:
                 "lplugins: the checkpoint was written as %s; its state (data position, RNG) resumes here", saved[0]
             )
 
-    def _attempt(self, path: str, attempt: Callable[[str], Any]) -> Any:
-        self._loading = True
+    def _attempt(self, path: str, attempt: Callable[[str], Any], mapping: bool = False) -> Any:
+        self._loading, self.mapping = True, mapping and not self._in_place
         try:
             return attempt(path)
         finally:
-            self._loading = False
+            self._loading = self.mapping = False
 
     @staticmethod
     def _cross_check(record: Record, loaded: Any, path: str) -> None:
@@ -392,17 +381,6 @@ class LatestResolver:
         return load_checkpoint
 
 
-def warn_not_weights_only(path: str) -> None:
-    """Rank zero: one warning that ``path`` is loaded without torch's weights-only guard, as asked."""
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    rank_zero_warn(
-        f"lplugins: about to unpickle checkpoint {path!r} with weights_only=False: you opted out of safe loading"
-        " (passed to the Trainer), so torch.load runs any code pickled in it."
-        " Do this only for a file you wrote yourself or otherwise trust."
-    )
-
-
 def understand_ckpt_path(trainer: Trainer, durable: type) -> None:
     """Read Lightning's ``ckpt_path`` words the lplugins way on this trainer (its own instance only; idempotent).
 
@@ -451,41 +429,3 @@ def loads_itself(trainer: Trainer) -> bool:
     from lightning.pytorch.strategies import Strategy
 
     return type(trainer.strategy).load_checkpoint is not Strategy.load_checkpoint
-
-
-class SafeResumeIO(CheckpointIO):
-    """Wraps the strategy's ``CheckpointIO``: loads go through a :class:`LatestResolver`, weights-only.
-
-    ``weights_only=False`` (``fit(..., weights_only=False)``) is honoured, with a warning naming the file.
-    Saving and removing are passed through unchanged.
-
-    Args:
-        inner: The strategy's original ``CheckpointIO``.
-        resolver: Resolves and verifies every load.
-    """
-
-    def __init__(self, inner: CheckpointIO, resolver: LatestResolver) -> None:
-        self.inner = inner
-        self.resolver = resolver
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        self.inner.remove_checkpoint(path)
-
-    def teardown(self) -> None:
-        self.inner.teardown()
-
-    def load_checkpoint(
-        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        trusted = weights_only is False
-
-        def attempt(target: str) -> dict[str, Any]:
-            if trusted:
-                warn_not_weights_only(target)
-            return load_weights_only(self.inner, target, map_location, weights_only=not trusted)
-
-        result: dict[str, Any] = self.resolver.load(path, attempt)
-        return result

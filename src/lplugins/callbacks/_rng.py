@@ -12,9 +12,14 @@ __all__ = ["capture", "rank_and_world", "restore", "restore_this_rank"]
 
 
 def capture() -> dict[str, Any]:
-    """This process's generator states, as tensors and plain values (``weights_only`` loads them)."""
+    """This process's generator states, as tensors and plain values (``weights_only`` loads them).
+
+    Python's 625-word state is one int64 tensor (one record for ``torch.load``'s weights-only unpickler,
+    which is pure Python: as a list it cost a resume more time than reading the whole model).
+    """
     version, state, gauss = random.getstate()
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(state), gauss]}
+    words = torch.tensor(state, dtype=torch.int64)
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, words, gauss]}
     try:
         import numpy as np
 
@@ -35,7 +40,8 @@ def restore(state: dict[str, Any]) -> None:
     """Set the generators to a state :func:`capture` returned."""
     torch.set_rng_state(state["torch"])
     version, values, gauss = state["python"]
-    random.setstate((version, tuple(values), gauss))
+    words = values.tolist() if isinstance(values, torch.Tensor) else values  # a list: written by earlier versions
+    random.setstate((version, tuple(words), gauss))
     if "numpy" in state:
         import numpy as np
 
