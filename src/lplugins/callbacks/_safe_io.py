@@ -15,14 +15,11 @@ state torch keeps as loaded (same dtype and device) stays on the mapping until t
 from __future__ import annotations
 
 import pickle
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from lplugins.callbacks._refusals import unsafe_error
-
-if TYPE_CHECKING:
-    from lplugins.callbacks._resume import LatestResolver
 
 __all__ = ["SafeResumeIO", "can_map", "load_weights_only", "mapped_load", "warn_not_weights_only"]
 
@@ -105,7 +102,7 @@ class SafeResumeIO(CheckpointIO):
         resolver: Resolves and verifies every load.
     """
 
-    def __init__(self, inner: CheckpointIO, resolver: LatestResolver) -> None:
+    def __init__(self, inner: CheckpointIO, resolver: Any) -> None:  # a _resume.LatestResolver
         self.inner = inner
         self.resolver = resolver
 
