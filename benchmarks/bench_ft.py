@@ -2,7 +2,7 @@
 
 3 replica groups (one CPU process each, gloo) train the same MLP under ``lplugins ft run``'s launcher
 (:class:`lplugins._cli.ft_launch.Launcher`, a torchft lighthouse in this process). Every few
-seconds a random group is SIGKILLed; the launcher restarts it (from its warm spare) and it rejoins
+seconds a random group is SIGKILLed; the launcher restarts it (forked from its fork server) and it rejoins
 with the model and optimizer state of a healthy peer. Measured:
 
 * the survivors never stop: the longest gap between two committed steps of any process, over the

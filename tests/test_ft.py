@@ -141,7 +141,7 @@ def test_without_the_extra_the_names_are_unavailable_and_refused(tmp_path: Path)
 # ------------------------------------------------------------------------------ real replica groups
 TRAIN = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, time
     import torch
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
@@ -153,6 +153,8 @@ TRAIN = textwrap.dedent(
     resume = sys.argv[4] if len(sys.argv) > 4 else None
     replica = int(os.environ["REPLICA_GROUP_ID"])
     torch.set_num_threads(1)
+    if phase == "first" and replica == 1:
+        time.sleep(3)  # starts late: with min_replicas=1, group 0 must still not train alone
 
     class Ticks(IterableDataset):
         def __iter__(self):
@@ -215,9 +217,8 @@ def _launch(tmp_path: Path, *args: str, timeout: float = 90) -> None:
     launcher = Launcher(
         [sys.executable, str(tmp_path / "train.py"), str(tmp_path), *args],
         2,
-        min_replicas=2,
-        max_restarts=0,
-        spare=False,
+        min_replicas=1,  # the start barrier, not min_replicas, makes the first step wait for both groups
+        max_restarts=0,  # both groups forked from the fork server (the second phase: fresh processes)
         env={"RUST_LOG": "warn", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         log_dir=tmp_path / "logs",
     )
@@ -268,13 +269,18 @@ def _metric_rows(path: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_replica_groups_accumulate_log_once_checkpoint_and_resume_from_disk(tmp_path: Path) -> None:
-    """2 groups, accumulate_grad_batches=2: both end with the replay's parameters; only the leader logs;
+    """2 groups, accumulate_grad_batches=2, min_replicas=1, group 1 starting 3 s late: the first step waits for
+    both (without the start barrier group 0 trains alone), both end with the replay's parameters; only the leader logs;
     each group's DurableCheckpoint commits; every group lost, both resume one group's checkpoint (started
     the second time by the documented command, ``lplugins ft run``)."""
     from lplugins.callbacks import latest_checkpoint
 
     (tmp_path / "train.py").write_text(TRAIN)
     _launch(tmp_path, "4", "first")
+    assert (
+        "ft_ddp: the job's step 0 starts with 2 of 2 replica groups"
+        in (tmp_path / "logs" / "replica_0.0.log").read_text()
+    )
     expected = _replay(4)
     for replica in (0, 1):
         final = json.loads((tmp_path / f"first_final_{replica}.json").read_text())
@@ -363,6 +369,10 @@ LEADER_TRAIN = textwrap.dedent(
             step, committed = strategy.last_step[:2]
             if committed:
                 self.log("job_step", float(step), on_step=True)
+                with open(f"{out}/loop_{replica}_{os.getpid()}.jsonl", "a") as f:  # where the loop stands
+                    row = {"step": step, "global_step": self.trainer.global_step,
+                           "factor": self.trainer.accumulate_grad_batches}
+                    f.write(json.dumps(row) + "\\n")
             first_run = not os.path.exists(f"{out}/killed")
             if replica == 0 and first_run and step >= 3:  # the leader is lost
                 with open(f"{out}/killed", "w") as f:
@@ -374,7 +384,7 @@ LEADER_TRAIN = textwrap.dedent(
                 os.replace(f"{out}/rejoined.tmp", f"{out}/rejoined")
             if os.path.exists(f"{out}/rejoined"):
                 with open(f"{out}/rejoined") as f:
-                    if strategy.ft_step >= int(f.read()) + 6:
+                    if strategy.ft_step >= max(int(f.read()) + 6, 16):
                         self.trainer.should_stop = True
 
         def configure_optimizers(self):
@@ -384,7 +394,7 @@ LEADER_TRAIN = textwrap.dedent(
         strategy={"name": "ft_ddp", "max_steps": 20000, "init_sync": False},
         accelerator="cpu",
         precision="bf16-mixed",
-        accumulate_grad_batches={"name": "step", "schedule": {0: 2}},
+        accumulate_grad_batches={"name": "step", "schedule": {0: 2, 12: 1}},  # keyed by step: changes later
         max_epochs=1, log_every_n_steps=1,
         logger=CSVLogger(out, name=f"replica_{replica}", version=os.getpid()),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -407,12 +417,15 @@ def _logged_steps(path: Path) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.extended  # a restart without a spare (a fresh interpreter's imports): tens of seconds
+@pytest.mark.extended  # a restart without the fork server (a fresh interpreter's imports): tens of seconds
 @pytest.mark.timeout(300)
 def test_the_leader_is_lost_logging_follows_the_new_leader_once_with_a_schedule_and_a_precision_name(
     tmp_path: Path,
 ) -> None:
     """2 groups under ``lplugins ft run``'s launcher; group 0 (the leader) is SIGKILLed at step 3 and restarted.
+
+    The rejoined group continues at its peer's loop position: the same ``trainer.global_step`` and the same
+    factor of the step-keyed accumulation schedule (``{0: 2, 12: 1}``) at every step both ran.
 
     Group 1 leads while group 0 is down, group 0 leads again once it has rejoined; every step after the
     kill is logged exactly once, by the group that led it (group 1's rows,
@@ -446,7 +459,7 @@ def test_the_leader_is_lost_logging_follows_the_new_leader_once_with_a_schedule_
     runs = {path.parent: _logged_steps(path) for path in tmp_path.glob("replica_*/version_*/metrics.csv")}
     by_replica_1 = [step for run, steps in runs.items() if run.parent.name == "replica_1" for step in steps]
     pid_0 = {e.pid for e in launcher.events if e.replica == 0 and e.kind == "start"}
-    restarted = max(pid_0)  # the restarted group 0's process
+    restarted = [e.pid for e in launcher.events if e.replica == 0 and e.kind == "start"][-1]  # the restarted one
     by_new_0 = runs.get(tmp_path / "replica_0" / f"version_{restarted}", [])
     killed, rejoined = (int((tmp_path / name).read_text()) for name in ("killed", "rejoined"))
     # (before the kill both groups may have logged: with min_replicas=1 each can start in a quorum of its own)
@@ -457,3 +470,15 @@ def test_the_leader_is_lost_logging_follows_the_new_leader_once_with_a_schedule_
     assert every[-1] >= rejoined + 5
     finals = [json.loads((tmp_path / f"final_{replica}.json").read_text()) for replica in (0, 1)]
     assert finals[0] == finals[1]
+    # the rejoined group goes on at the peer's loop position (Lightning's global step, the schedule's step)
+    loops = {
+        p.stem.split("_", 2)[2]: [json.loads(x) for x in p.read_text().splitlines()] for p in tmp_path.glob("loop_*")
+    }
+    new_0 = {r["step"]: r for r in loops[str(restarted)]}
+    peer = {r["step"]: r for pid, rows in loops.items() if int(pid) not in pid_0 for r in rows}
+    shared = sorted(set(new_0) & set(peer))
+    assert shared and shared[-1] >= 12, (shared, logs)  # past the schedule's change
+    for step in shared:
+        assert new_0[step]["global_step"] == peer[step]["global_step"], (step, new_0[step], peer[step])
+        if step > shared[0]:  # its first window was sized before the state arrived (within that step)
+            assert new_0[step]["factor"] == peer[step]["factor"], (step, new_0[step], peer[step])

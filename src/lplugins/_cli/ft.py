@@ -107,7 +107,9 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--first-replica", type=int, default=0, help="the id of the first group started here")
     run.add_argument("--total-replicas", type=int, help="the job's replica groups (default: first + replicas)")
     run.add_argument("--max-restarts", type=int, default=10, help="restarts in all (default 10)")
-    run.add_argument("--no-spare", action="store_true", help="no warm spare process (restarts import from scratch)")
+    run.add_argument(
+        "--no-spare", action="store_true", help="no fork server: each group (and restart) is a fresh process"
+    )
     run.add_argument("--log-dir", help="write each process's output to LOG_DIR/replica_<id>.<n>.log")
     _common(run, 0)
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command each group runs")

@@ -7,17 +7,19 @@ host with its own ``first_replica``). Each replica group is one process running 
 
 A group that exits with a non-zero status (or a signal) is started again with the same id, up to
 ``max_restarts`` times in all, until the first group finishes cleanly. For a ``python script.py ...``
-command the launcher keeps one *warm spare*: a process that has already imported torch, Lightning
-and torchft and waits; a lost group is replaced by the spare (it then runs the script), so a
-restart does not wait for those imports.
+command the groups are forked from a *fork server* (:mod:`lplugins._cli.ft_zygote`) that imported
+torch, Lightning, torchft and lplugins once, before any group trained: a restarted group starts with
+no import, and nothing is imported while the others train.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,20 +77,134 @@ class ReplicaEvent:
     returncode: int | None = None
 
 
+class _Forked:
+    """A replica group forked by the fork server: the part of :class:`subprocess.Popen` the launcher uses."""
+
+    def __init__(self, pid: int, server: _ForkServer) -> None:
+        self.pid = pid
+        self._server = server
+
+    @property
+    def returncode(self) -> int | None:
+        return self._server.exits.get(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._server.changed:
+            while self.pid not in self._server.exits:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(f"replica group pid {self.pid}", timeout or 0.0)
+                if not self._server.changed.wait(0.1 if left is None else min(left, 0.1)) and not self._server.alive():
+                    self._server.exits.setdefault(self.pid, -signal.SIGKILL)  # the server died: so did it
+        return self._server.exits[self.pid]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _ForkServer:
+    """The launcher's end of :mod:`lplugins._cli.ft_zygote`: start it, ask it to fork a group, hear of exits."""
+
+    def __init__(self, python: str, env: Mapping[str, str], log: IO[bytes] | None) -> None:
+        commands_r, self._commands = os.pipe()
+        self._events, events_w = os.pipe()
+        self.process = subprocess.Popen(
+            [python, "-m", "lplugins._cli.ft_zygote", str(commands_r), str(events_w)],
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            pass_fds=(commands_r, events_w),
+        )
+        os.close(commands_r)
+        os.close(events_w)
+        self.changed = threading.Condition()
+        self.exits: dict[int, int] = {}
+        self.ready: float | None = None
+        self._started: list[int] = []
+        self._reader = threading.Thread(target=self._read, name="lplugins-ft-forkserver", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with os.fdopen(self._events, "rb") as events:
+            for line in events:
+                message = json.loads(line)
+                with self.changed:
+                    if "ready" in message:
+                        self.ready = float(message["ready"])
+                    elif "started" in message:
+                        self._started.append(int(message["started"]))
+                    elif "exit" in message:
+                        self.exits[int(message["exit"])] = int(message["returncode"])
+                    self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the server has imported everything (``False``: it died, or not within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while self.ready is None and self.alive() and time.monotonic() < deadline:
+                self.changed.wait(0.1)
+        return self.ready is not None and self.alive()
+
+    def fork(self, replica: int, argv: Sequence[str], log: Path | None, timeout: float = 10.0) -> _Forked | None:
+        """A new replica group running ``argv`` (``script.py args``); ``None`` when the server cannot."""
+        if self.ready is None or not self.alive():
+            return None
+        request = {"replica": replica, "argv": list(argv), "log": None if log is None else str(log)}
+        with self.changed:
+            before = len(self._started)
+            try:
+                os.write(self._commands, (json.dumps(request) + "\n").encode())
+            except OSError:
+                return None
+            deadline = time.monotonic() + timeout
+            while len(self._started) == before and self.alive() and time.monotonic() < deadline:
+                self.changed.wait(0.05)
+            if len(self._started) == before:
+                return None
+            return _Forked(self._started[before], self)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close its requests (it sends SIGTERM to the groups still running, then exits); kill it if it does not."""
+        try:
+            os.close(self._commands)
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 @dataclass
 class _Slot:
     replica: int
-    process: subprocess.Popen[bytes] | None = None
+    process: subprocess.Popen[bytes] | _Forked | None = None
     done: bool = False
     returncode: int | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
 
 
-def _spare_command(command: Sequence[str]) -> list[str] | None:
-    """``python script.py args`` -> the warm spare's command; ``None`` for any other command."""
-    if len(command) < 2 or not Path(command[0]).name.startswith("python") or not command[1].endswith(".py"):
-        return None
-    return [command[0], "-m", "lplugins._cli.ft_spare", *command[1:]]
+def _forkable(command: Sequence[str]) -> bool:
+    """Whether the groups can be forked from the fork server: a ``python script.py args`` command."""
+    return len(command) >= 2 and Path(command[0]).name.startswith("python") and command[1].endswith(".py")
 
 
 class Launcher:
@@ -106,7 +222,9 @@ class Launcher:
         heartbeat_timeout_ms: How long without a heartbeat before the lighthouse drops a group (the
             groups heartbeat every quarter of it: ``LPLUGINS_FT_HEARTBEAT_MS``, unless set).
         quorum_tick_ms: How often the lighthouse checks whether a quorum can form.
-        spare: Keep a warm spare (only for ``python script.py`` commands).
+        spare: Fork the groups from a fork server that imported torch, Lightning, torchft and lplugins
+            once (only for ``python script.py`` commands; otherwise, or when it fails, each group is a
+            fresh ``command``).
         env: Extra environment for every group.
         log_dir: Where each process's output goes (``replica_<id>.<n>.log``); ``None``: inherited.
 
@@ -162,18 +280,18 @@ class Launcher:
         self.port = _positive("port", port, 0)
         self.env = dict(env or {})
         self.log_dir = None if log_dir is None else Path(log_dir)
-        self.spare_command = _spare_command(self.command) if spare else None
+        self.forking = bool(spare) and _forkable(self.command)
         self.events: list[ReplicaEvent] = []
         self.restarts = 0
         self._server: Any = None
         self._slots = [_Slot(first_replica + i) for i in range(replicas)]
-        self._spare: subprocess.Popen[bytes] | None = None
-        self._spare_log: IO[bytes] | None = None
+        self._forks: _ForkServer | None = None
+        self._forks_log: IO[bytes] | None = None
         self._runs: dict[int, int] = {}
 
     # ----------------------------------------------------------------------------------- starting
     def start(self) -> str:
-        """Start the lighthouse (unless given), every replica group and the spare; the lighthouse URL."""
+        """Start the lighthouse (unless given), the fork server and every replica group; the lighthouse URL."""
         if self.lighthouse is None:
             self._server = start_lighthouse(
                 min_replicas=self.min_replicas,
@@ -184,9 +302,13 @@ class Launcher:
             self.lighthouse = str(self._server.address())
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.forking:
+            self._forks_log = self._output("forkserver")
+            self._forks = _ForkServer(self.command[0], self._environment(), self._forks_log)
+            if not self._forks.wait_ready(timeout=300):
+                print("lplugins ft: the fork server did not start; each group imports on its own", file=sys.stderr)
         for slot in self._slots:
             self._launch(slot)
-        self._start_spare()
         return self.lighthouse
 
     def _environment(self) -> dict[str, str]:
@@ -209,33 +331,19 @@ class Launcher:
         self._runs[slot.replica] = run + 1
         if slot.log is not None:
             slot.log.close()
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.poll() is None and spare.stdin is not None:
-            try:
-                spare.stdin.write(f"{slot.replica}\n".encode())
-                spare.stdin.close()
-                slot.process, slot.log = spare, self._spare_log
-                self._spare_log = None
-                self.events.append(ReplicaEvent(time.time(), slot.replica, "start", spare.pid))
-                return
-            except OSError:  # the spare died: start the command itself
-                pass
-        slot.log = self._output(f"replica_{slot.replica}.{run}")
+        name = f"replica_{slot.replica}.{run}"
+        forked = None
+        if self._forks is not None:
+            path = None if self.log_dir is None else self.log_dir / f"{name}.log"
+            forked = self._forks.fork(slot.replica, self.command[1:], path)
+        if forked is not None:
+            slot.process, slot.log = forked, None
+            self.events.append(ReplicaEvent(time.time(), slot.replica, "start", forked.pid))
+            return
+        slot.log = self._output(name)
         env = {**self._environment(), _ft_env.REPLICA_ID_VAR: str(slot.replica)}
         slot.process = subprocess.Popen(self.command, env=env, stdout=slot.log, stderr=slot.log)
         self.events.append(ReplicaEvent(time.time(), slot.replica, "start", slot.process.pid))
-
-    def _start_spare(self) -> None:
-        if self.spare_command is None or self._spare is not None or self._finished_cleanly():
-            return
-        self._spare_log = self._output(f"spare.{len(self.events)}")
-        self._spare = subprocess.Popen(
-            self.spare_command,
-            env=self._environment(),
-            stdin=subprocess.PIPE,
-            stdout=self._spare_log,
-            stderr=self._spare_log,
-        )
 
     # ------------------------------------------------------------------------------------ running
     def _finished_cleanly(self) -> bool:
@@ -261,7 +369,6 @@ class Launcher:
                 self.restarts += 1
                 self.events.append(ReplicaEvent(time.time(), slot.replica, "restart", slot.process.pid, code))
                 self._launch(slot)
-                self._start_spare()
             else:
                 slot.done, slot.returncode = True, code
         return all(slot.done for slot in self._slots)
@@ -275,8 +382,6 @@ class Launcher:
     def stop(self) -> None:
         """Stop every process this launcher started (SIGTERM, then SIGKILL) and the lighthouse."""
         processes = [slot.process for slot in self._slots if slot.process is not None]
-        if self._spare is not None:
-            processes.append(self._spare)
         for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -287,14 +392,16 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        self._spare = None
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
         for slot in self._slots:
             if slot.log is not None:
                 slot.log.close()
                 slot.log = None
-        if self._spare_log is not None:
-            self._spare_log.close()
-            self._spare_log = None
+        if self._forks_log is not None:
+            self._forks_log.close()
+            self._forks_log = None
         if self._server is not None:
             self._server.shutdown()
             self._server = None

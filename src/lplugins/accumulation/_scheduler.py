@@ -324,6 +324,14 @@ class AccumulationScheduler(Callback):
         trainer.accumulate_grad_batches = 1
         self._in_batch = False
 
+    def loop_counters(self) -> dict[str, int]:
+        """The schedule's position in steps, which a replica group rejoining an ``ft_ddp`` job takes over."""
+        return {"steps": int(self.steps), "samples": int(self.samples)}
+
+    def load_loop_counters(self, counters: dict[str, int]) -> None:
+        """Take a peer's :meth:`loop_counters` (the same point of the same step)."""
+        self.steps, self.samples = int(counters["steps"]), int(counters["samples"])
+
     @override
     def state_dict(self) -> dict[str, Any]:
         steps, samples, pos = (self.steps, self.samples, self._pos)

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lplugins.strategies import _ft_env
+from lplugins.strategies import _ft_env, _ft_loop
 from lplugins.strategies._ft_env import FTConfigError, ReplicaConfig
 
 __all__ = ["FTDDPStrategy"]
@@ -78,6 +78,11 @@ class FTDDPStrategy(SingleDeviceStrategy):
             the same steps; it doubles the bytes of the all-reduce.
         init_sync: Whether every group starts from the state of one group (torchft's ``init_sync``);
             ``False`` only when every group initialises its model identically (a fixed seed).
+        start_timeout: Seconds the job's first step waits for all ``num_replica_groups`` groups to be in
+            its quorum (a group that starts later than the others would otherwise leave the first steps
+            to a smaller quorum, or, with ``min_replicas=1``, to each group alone). A group that
+            rejoins a running job does not wait. ``0``: no wait (the first step commits with whoever
+            is there, at least ``min_replicas``).
         host: The address other groups reach this one at (its store); default ``socket.gethostname()``.
         check_lighthouse: Connect to the lighthouse when built, so an unreachable one fails at once.
         **kwargs: Passed to Lightning's ``SingleDeviceStrategy`` (``accelerator``, ``checkpoint_io``,
@@ -85,7 +90,8 @@ class FTDDPStrategy(SingleDeviceStrategy):
 
     Raises:
         FTUnavailableError: torchft is not installed.
-        FTConfigError: the lighthouse is missing or unreachable, or a replica setting is out of range.
+        FTConfigError: the lighthouse is missing or unreachable, or a replica setting is out of range;
+            at the first step: fewer than ``num_replica_groups`` groups joined within ``start_timeout``.
     """
 
     strategy_name = "ft_ddp"
@@ -104,6 +110,7 @@ class FTDDPStrategy(SingleDeviceStrategy):
         step_retries: int = 3,
         reduce_dtype: str | torch.dtype | None = None,
         init_sync: bool = True,
+        start_timeout: float | timedelta = 120.0,
         host: str | None = None,
         check_lighthouse: bool = True,
         **kwargs: Any,
@@ -127,6 +134,10 @@ class FTDDPStrategy(SingleDeviceStrategy):
         self._ft_timeout = _seconds("timeout", timeout)
         self._quorum_timeout = _seconds("quorum_timeout", quorum_timeout)
         self._init_sync = bool(init_sync)
+        wait = start_timeout.total_seconds() if isinstance(start_timeout, timedelta) else start_timeout
+        no_wait = not isinstance(wait, bool) and wait in (0, 0.0)
+        self._start_timeout = None if no_wait else _seconds("start_timeout", start_timeout)
+        self._started = False
         self._host = host or socket.gethostname()
         self._manager: Any = None
         self._store: Any = None
@@ -230,16 +241,20 @@ class FTDDPStrategy(SingleDeviceStrategy):
             self._manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def _state(self) -> dict[str, Any]:
-        """What a recovering peer receives: the model's and the optimizers' state (tensors are sent, not saved)."""
+        """What a recovering peer receives: the model's and the optimizers' state (tensors are sent, not saved),
+        and where the loop stands (Lightning's optimizer steps, the accumulation schedule's counters)."""
         return {
             "model": self._module.state_dict(),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "loop": _ft_loop.progress(self._module.trainer),
         }
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self._module.load_state_dict(state["model"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(optimizer_state)
+        if "loop" in state:
+            _ft_loop.restore(self._module.trainer, state["loop"])
         self.recoveries.append((int(self._manager.current_step()), time.time()))
 
     # ------------------------------------------------------------------------------------ a step
@@ -248,10 +263,15 @@ class FTDDPStrategy(SingleDeviceStrategy):
         manager = self._manager
         if manager is None:  # pragma: no cover - Lightning steps only after setup
             raise RuntimeError("ft_ddp: optimizer_step before setup")
+        # the job's step before this group's first quorum: a rejoining group's first quorum moves it on (the
+        # peer's step), which the start barrier must see; read after the quorum it could already have moved
+        start = int(manager.current_step())
         manager.start_quorum()  # computed in the background while the closure runs forward/backward
 
         def ft_closure() -> Any:
             result = closure()
+            if not self._started:
+                self._await_groups(manager, start)
             grads = self._gradients(optimizer)
             local = torch.cat([grad.reshape(-1) for grad in grads]).to(self.reduce_dtype or grads[0].dtype)
             for attempt in range(self.step_retries + 1):
@@ -282,6 +302,37 @@ class FTDDPStrategy(SingleDeviceStrategy):
         if self.max_steps is not None and manager.current_step() >= self.max_steps:
             self._module.trainer.should_stop = True
         return output
+
+    def _await_groups(self, manager: Any, start: int) -> None:
+        """The job's first step: ask for quorums until every replica group is in one (or ``start_timeout``).
+
+        A group that is restarted into a running job receives a peer's state in its first quorum (its step
+        moves on): it does not wait. Every group at the job's first step leaves with the same quorum.
+        """
+        self._started = True
+        began = time.monotonic()
+        expected = self.num_replica_groups
+        while self._start_timeout is not None:
+            present = int(manager.num_participants())  # waits for this step's quorum
+            if present >= expected or int(manager.current_step()) != start:
+                break
+            waited = time.monotonic() - began
+            if waited > self._start_timeout.total_seconds():
+                raise FTConfigError(
+                    f"ft_ddp: only {present} of num_replica_groups={expected} replica groups joined the job's first "
+                    f"quorum within start_timeout={self._start_timeout.total_seconds():g} s. Start the missing "
+                    f"groups (`{_ft_env.RUN_HINT}`), lower num_replica_groups ({_ft_env.NUM_REPLICAS_VAR}), or pass "
+                    "start_timeout=0 to start with the groups present."
+                )
+            time.sleep(0.02)
+            manager.start_quorum()  # the same gradients; the lighthouse adds the groups that joined meanwhile
+        if int(manager.current_step()) == start:
+            self._set_leader(manager.participating_rank() == 0)
+            rank_zero_info(
+                f"ft_ddp: the job's step {start} starts with {manager.num_participants()} of {expected} replica "
+                f"groups (waited {time.monotonic() - began:.1f} s for them; start_timeout="
+                f"{0 if self._start_timeout is None else self._start_timeout.total_seconds():g} s)."
+            )
 
     @staticmethod
     def _gradients(optimizer: Any) -> list[torch.Tensor]:

@@ -104,6 +104,21 @@ def logging_step(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
+def optimizer_step_progress(trainer: pl.Trainer) -> Any:
+    """Lightning's count of optimizer steps (``ready``/``started``/``processed``/``completed``);
+    ``trainer.global_step`` is its ``completed``."""
+    loop = trainer.fit_loop.epoch_loop
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization:
+        return loop.automatic_optimization.optim_progress.optimizer.step.total
+    return loop.manual_optimization.optim_step_progress.total
+
+
+def set_logging_step(trainer: pl.Trainer, step: int) -> None:
+    """Move the step Lightning logs metrics at (see :func:`logging_step`)."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = int(step)
+
+
 def set_progress_bar_values(trainer: pl.Trainer, values: dict[str, Any]) -> None:
     """Write values into the dict the progress bars read, without logging a metric.
 
