@@ -229,6 +229,38 @@ def test_a_rank_ended_by_its_gil_timer_is_named_as_holding_the_gil_however_late_
     assert "process ended without an error report" in verdict.text, verdict.text
 
 
+def test_a_silent_rank_still_alive_is_named_where_its_gil_timer_caught_it(tmp_path: Path) -> None:
+    """Seen silent before its process ended: the place comes from its dump when there is one, since its last sample
+    may predate the call that holds the GIL (a ZeRO-2 ``gil`` trial named ``train.py:9``, the line before, #26)."""
+    from lplugins._coord import faults
+
+    class Store:
+        def check(self, keys: list[str]) -> bool:
+            return False
+
+    class Board:
+        rank, world, store = 0, 2, Store()
+
+        def _ended(self, rank: int) -> bool:
+            return False
+
+    state = {"kind": "run", "op": "", "via": "", "site": "train.py:9", "inside": "", "seq": 50, "t": 1.0, "hb": 5.0}
+    mine = {"kind": "collective", "op": "all_reduce", "via": "", "site": "train.py:20", "inside": "", "seq": 53}
+    mine["t"] = mine["since"] = 2.0
+    clock = faults.PeerClock()
+    clock.silent_for(1, state, 0.0)  # last heard of at 0 s
+    judge = lambda: faults.judge(Board(), mine, {1: state}, clock, 8.0, 5.0, 0.5, str(tmp_path))  # noqa: E731
+    verdict = judge()  # no dump yet
+    assert verdict is not None and verdict.kind == "unresponsive"
+    assert "last seen running at train.py:9" in verdict.text and "its stack is in its file rank1.txt" in verdict.text
+    (tmp_path / "rank1.txt").write_text(
+        'Timeout (0:00:05)!\nThread 0x7f (most recent call first):\n  File "/home/me/train.py", line 136 in _fault\n'
+    )
+    verdict = judge()
+    assert verdict is not None and "its stack (" in verdict.text
+    assert "shows it in _fault at /home/me/train.py:136" in verdict.text, verdict.text
+
+
 def test_a_ranks_own_exception_is_not_held_back_looking_for_a_dead_peer() -> None:
     """At the top level (the excepthook) a rank's own error is posted at once: looking for an ended peer during 3 s
     is for a collective that failed (#26: it cost every ``exception`` trial 3 s before the others were told)."""

@@ -66,6 +66,9 @@ def test_without_a_lighthouse_setting_the_error_names_the_variable(monkeypatch: 
         ({"step_retries": -1}, r"step_retries=-1 must be an int >= 0"),
         ({"reduce_dtype": "int64"}, r"reduce_dtype='int64' is not a floating-point dtype: use None .* or 'float64'"),
         ({"heartbeat_interval": 0}, r"heartbeat_interval=0 must be a positive number of seconds"),
+        ({"allreduce_timeout": 0}, r"allreduce_timeout=0 is not allowed: it must be 'auto' .* or a positive"),
+        ({"allreduce_timeout": float("nan")}, r"allreduce_timeout=nan is not allowed"),
+        ({"allreduce_timeout": "fast"}, r"allreduce_timeout='fast' is not allowed"),
     ],
 )
 def test_wrong_replica_counts_are_refused(monkeypatch: pytest.MonkeyPatch, params: dict[str, Any], needle: str) -> None:

@@ -170,13 +170,16 @@ def judge(
         silent = clock.silent_for(r, state, mono)
         limit = float(state.get("hb", 5.0)) + 2 * interval + 1.0
         if silent > limit and not board.store.check([f"done/{r}"]):
+            # its GIL timer's dump (written by then on one host) says where it holds the GIL; the last
+            # sample may predate the call that holds it
+            said, _ = _stack_file_says(r, stacks)
             return Verdict(
                 "unresponsive",
                 r,
                 f"rank {r} does not respond: its lplugins watchdog has not run for {silent:.0f}s -- its main thread"
                 f" holds the GIL (a long call into C that does not release it) or the process is stopped;"
-                f" it was last seen {describe(state)}; its stack is in its file rank{r}.txt. This rank waits"
-                f" {describe(mine)}.",
+                f" it was last seen {describe(state)}{said or f'; its stack is in its file rank{r}.txt'}. This rank"
+                f" waits {describe(mine)}.",
             )
     data_bound = collective_bound * (FIRST_BATCH_FACTOR if "first batch" in mine["op"] else 1)
     if mine["kind"] == "data" and time.time() - mine["since"] >= data_bound:

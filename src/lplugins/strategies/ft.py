@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lplugins.strategies import _ft_env, _ft_loop
 from lplugins.strategies._ft_env import FTConfigError, ReplicaConfig
+from lplugins.strategies._ft_limit import AllreduceLimit, bounded_gloo
 
 __all__ = ["FTDDPStrategy"]
 
@@ -83,6 +84,10 @@ class FTDDPStrategy(SingleDeviceStrategy):
             to a smaller quorum, or, with ``min_replicas=1``, to each group alone). A group that
             rejoins a running job does not wait. ``0``: no wait (the first step commits with whoever
             is there, at least ``min_replicas``).
+        allreduce_timeout: How long one all-reduce may take before it fails (and is retried in a new
+            quorum): ``"auto"`` adapts to the all-reduces seen (``max(2 s, 10 x their median)``, at most
+            ``timeout``), so a survivor never waits out the whole ``timeout`` for a peer lost during it;
+            or a fixed number of seconds.
         host: The address other groups reach this one at (its store); default ``socket.gethostname()``.
         check_lighthouse: Connect to the lighthouse when built, so an unreachable one fails at once.
         **kwargs: Passed to Lightning's ``SingleDeviceStrategy`` (``accelerator``, ``checkpoint_io``,
@@ -111,6 +116,7 @@ class FTDDPStrategy(SingleDeviceStrategy):
         reduce_dtype: str | torch.dtype | None = None,
         init_sync: bool = True,
         start_timeout: float | timedelta = 120.0,
+        allreduce_timeout: float | str = "auto",
         host: str | None = None,
         check_lighthouse: bool = True,
         **kwargs: Any,
@@ -123,6 +129,8 @@ class FTDDPStrategy(SingleDeviceStrategy):
         self.step_retries = step_retries
         self.reduce_dtype = _ft_env.reduce_dtype(reduce_dtype)
         self._heartbeat = _seconds("heartbeat_interval", _ft_env.heartbeat_interval(heartbeat_interval))
+        self._ft_timeout = _seconds("timeout", timeout)
+        self.allreduce_limit = AllreduceLimit(allreduce_timeout, cap_s=self._ft_timeout.total_seconds())
         self.config: ReplicaConfig = _ft_env.replica_config(
             lighthouse=lighthouse,
             replica_id=replica_id,
@@ -131,7 +139,6 @@ class FTDDPStrategy(SingleDeviceStrategy):
             check_reachable=check_lighthouse,
         )
         self.max_steps = max_steps
-        self._ft_timeout = _seconds("timeout", timeout)
         self._quorum_timeout = _seconds("quorum_timeout", quorum_timeout)
         self._init_sync = bool(init_sync)
         wait = start_timeout.total_seconds() if isinstance(start_timeout, timedelta) else start_timeout
@@ -206,12 +213,12 @@ class FTDDPStrategy(SingleDeviceStrategy):
 
     def _start_manager(self) -> None:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
 
         # the group's store: its manager server registers there, and peers meet in it for the
         # process group when this group is the quorum's first
         self._store = TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
-        self._pg = ProcessGroupGloo(timeout=self._ft_timeout)
+        self._pg = bounded_gloo(self._ft_timeout.total_seconds(), self.allreduce_limit)
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=self._load_state,
@@ -350,7 +357,9 @@ class FTDDPStrategy(SingleDeviceStrategy):
         recovers: torchft zeroes them, and the peer's state is applied in ``should_commit``).
         """
         manager = self._manager
-        manager.allreduce(flat).wait()  # on an error torchft reports it and the step does not commit
+        began = time.monotonic()
+        if manager.allreduce(flat).wait():  # on an error torchft reports it and the step does not commit
+            self.allreduce_limit.observe(time.monotonic() - began)
         if manager.errored() is not None and self._pg is not None:
             # A peer died mid-collective. Only its neighbours in gloo's ring see the error; the others
             # would wait in the collective until the timeout. Aborting closes this group's connections,
