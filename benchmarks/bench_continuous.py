@@ -1,6 +1,8 @@
 """Continuous checkpointing (``DurableCheckpoint(continuous=True, async_save=True)``) vs none, 2 CPU ranks.
 
-``--strategy ddp`` (default) or ``fsdp2`` (FSDP2's full-state checkpoint: gathered to rank 0, written there).
+``--strategy ddp`` (default) or ``fsdp2`` (FSDP2's full-state checkpoint: gathered to rank 0, written there);
+``--strategy fsdp2 --sharded``: ``save_distributed_checkpoint=True``, every rank snapshots its own shards and
+writes them in the background (torch DCP), rank 0 commits.
 
 Side by side in one run, interleaved, ``--reps`` times each (median):
 
@@ -47,7 +49,15 @@ WIDTH = 4096
 
 
 def worker(
-    config: str, strategy: str, params_m: float, steps: int, warmup: int, steady: int, dirpath: str, batch: int
+    config: str,
+    strategy: str,
+    params_m: float,
+    steps: int,
+    warmup: int,
+    steady: int,
+    dirpath: str,
+    batch: int,
+    sharded: bool = False,
 ) -> None:
     """One 2-rank fit (Lightning's launcher starts rank 1 by running this command again); prints per-rank JSON."""
     import torch
@@ -103,8 +113,9 @@ def worker(
     elif config == "stock_every_step":
         callbacks.append(ModelCheckpoint(dirpath, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"))
     data = DataLoader(TensorDataset(torch.randn(batch * (steps + 1), WIDTH)), batch_size=batch)
+    fsdp2 = FSDP2Strategy(save_distributed_checkpoint=sharded) if strategy == "fsdp2" else None
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=FSDP2Strategy() if strategy == "fsdp2" else "ddp",
+        accelerator="cpu", devices=2, strategy=fsdp2 or "ddp",
         max_steps=steps, callbacks=callbacks, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=config != "none",
     )  # fmt: skip
@@ -151,10 +162,12 @@ def run(config: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config, "--strategy", args.strategy]
     cmd += ["--params-m", str(args.params_m)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--steady", str(args.steady)]
-    cmd += ["--dir", dirpath, "--batch", str(args.batch)]
+    cmd += ["--dir", dirpath, "--batch", str(args.batch)] + (["--sharded"] if args.sharded else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    # the ranks share one stdout: one rank's line can land inside the other's, so each object is decoded where it starts
+    decoder = json.JSONDecoder()
+    results = [decoder.raw_decode(part)[0] for part in proc.stdout.split("RESULT ")[1:]]
     if proc.returncode != 0 or len(results) != 2:
         raise SystemExit(f"{config}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     shutil.rmtree(dirpath, ignore_errors=True)
@@ -173,11 +186,17 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--same-priority", action="store_true", help="also run continuous_same_priority")
     parser.add_argument("--stock", action="store_true", help="also run stock_every_step (slow: a sync save per step)")
+    parser.add_argument("--sharded", action="store_true", help="fsdp2: sharded checkpoints (each rank its shards)")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.strategy, args.params_m, args.steps, args.warmup, args.steady, args.dir, args.batch)
+        worker(
+            args.worker, args.strategy, args.params_m, args.steps, args.warmup, args.steady, args.dir, args.batch,
+            args.sharded,
+        )  # fmt: skip
         return
+    if args.sharded and args.strategy != "fsdp2":
+        parser.error("--sharded needs --strategy fsdp2")
     if args.reps < 1 or args.steps < max(args.warmup, args.steady) + 3 or args.batch < 1:
         parser.error(
             "--reps and --batch must be >= 1 and --steps >= max(--warmup, --steady) + 3,"
@@ -208,6 +227,7 @@ def main() -> None:
     figures = {
         "strategy": args.strategy,
         "params_m": args.params_m,
+        "sharded": args.sharded,
         "state_mb": round(state / 1e6, 1),
         "reps": args.reps,
         "steps": args.steps,
@@ -222,6 +242,8 @@ def main() -> None:
         "memcpy_gb_per_s": round(bandwidth / 1e9, 2),
         "blocking_bound_ms": round(1e3 * (1.2 * state / bandwidth) + 5, 1),
         "continuous_peak_extra_over_state": round((peak - base_peak) / state, 2),
+        # what rank 0 holds of the state: all of it (DDP; FSDP2 gathers it there), or its shards (--sharded)
+        "continuous_peak_extra_over_rank_state": round((peak - base_peak) / (state / (2 if args.sharded else 1)), 2),
         "batch": args.batch,
         "continuous_rank0_extra_cpu_s_per_save": round(
             statistics.median(

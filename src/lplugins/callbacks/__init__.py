@@ -17,7 +17,10 @@ The package, one concern per module (arrows point down: a module imports only th
     _verify.py           every byte checked against the marker's CRC32s, on a second thread while loading
     _preemption.py       preemption signals caught as a flag; SLURM requeue; PREEMPTED_EXIT_CODE
     _rng.py              capturing and restoring the random number generators
+    _sharded_async.py    ShardedAsyncWriter: each rank snapshots its own shards (reused buffers), torch DCP writes
+                         them on a background thread and its own gloo group, rank 0 commits
     _async.py            AsyncWriter: CPU snapshots (deferred copies, buffer reuse) written on a background thread
+    _writers.py          choose_writer: which CheckpointWriter a fit gets, from its strategy
     _writer.py           the CheckpointWriter interface; SyncWriter and StrategyWriter (sharded directories)
     _retention.py        Retention (which checkpoints to keep) and the Ledger of committed ones (background deletes)
     _claim.py            DirectoryClaim: one job writes a dirpath at a time (rank 0's claim, heartbeat, stale takeover)

@@ -62,6 +62,14 @@ class BackgroundQueue:
             self._cond.notify_all()
         return time.perf_counter() - start
 
+    def wait_for_room(self) -> float:
+        """Wait until a :meth:`submit` would not (fewer than ``max_in_flight`` in flight); the seconds waited."""
+        start = time.perf_counter()
+        with self._cond:
+            while self._in_flight >= self.max_in_flight and self._error is None:
+                self._cond.wait()
+        return time.perf_counter() - start
+
     @property
     def in_flight(self) -> int:
         """Saves queued or being written now (a save leaves the count once committed, or failed)."""

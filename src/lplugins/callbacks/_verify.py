@@ -44,8 +44,8 @@ def hash_threads() -> int:
     return max(1, min(4, cores - 1))
 
 
-def crc32_of(storage: Storage, name: str, threads: int | None = None) -> int:
-    """The CRC32 of every byte of file ``name``.
+def crc32_of(storage: Storage, name: str, threads: int | None = None, map_file: bool = True) -> int:
+    """The CRC32 of every byte of file ``name`` (``map_file=False``: read in pieces, nothing memory-mapped).
 
     A local file is memory-mapped and hashed by :func:`~lplugins.callbacks._crc.crc32` in as few calls
     as possible: each call releases the GIL for its whole range, so a load running on another thread is
@@ -53,7 +53,7 @@ def crc32_of(storage: Storage, name: str, threads: int | None = None) -> int:
     large one is split into ``threads`` ranges (default: :func:`hash_threads`) hashed in parallel and
     joined with :func:`crc32_combine`. Other storage is read in 8 MiB pieces.
     """
-    if not storage.parallel_reads:
+    if not storage.parallel_reads or not map_file:
         return _range_crc32(storage, name, 0, None)
     threads = hash_threads() if threads is None else threads
     with open(storage.path(name), "rb") as f:

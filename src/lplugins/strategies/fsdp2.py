@@ -93,6 +93,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         #: A full-state checkpoint is the gathered state saved as one file by rank 0, exactly as a plain
         #: ``torch.save`` there (``DurableCheckpoint`` may then write it itself, in the background).
         self.writes_one_file_on_rank_zero = not save_distributed_checkpoint
+        #: A sharded checkpoint is Lightning's DCP directory (each rank's shards, ``meta.pt`` beside them):
+        #: ``DurableCheckpoint(async_save=True)`` may have every rank write its own shards in the background.
+        self.saves_dcp_shards = save_distributed_checkpoint
 
     def setup_environment(self) -> None:
         _lightning.shard_over_all_ranks(self)  # Lightning's "auto" shards over nodes only

@@ -31,7 +31,14 @@ from lplugins.callbacks._verify import crc32_of
 if TYPE_CHECKING:
     from pytorch_lightning import Trainer
 
-__all__ = ["CheckpointWriter", "StrategyWriter", "SyncWriter", "refuse_continuous", "writes_itself"]
+__all__ = [
+    "CheckpointWriter",
+    "StrategyWriter",
+    "SyncWriter",
+    "refuse_continuous",
+    "saves_shards_async",
+    "writes_itself",
+]
 
 
 class CheckpointWriter(ABC):
@@ -131,6 +138,36 @@ class CheckpointWriter(ABC):
             raise self.write_error(path, err) from err
         self.ledger.add(record)
 
+    def commit_entry(self, tmp: str, record: Record, add: bool = True, mapped: bool = True) -> None:
+        """Commit the written (and ``fsync``-ed) temporary entry ``tmp`` as ``record.name`` (rank 0).
+
+        Its files' sizes and CRC32s go into the marker (``mapped``: see :func:`tree_crc32s`), the entry is
+        renamed, the marker written last; ``add``: the ledger learns of it (retention).
+
+        Raises:
+            CheckpointWriteError: the commit failed; neither ``tmp`` nor ``record.name`` is left.
+        """
+        storage = self.storage
+        try:
+            record.world_size, record.strategy = self.world_size, self.strategy
+            if storage.isdir(tmp):
+                record.kind, record.files = "dir", storage.tree_sizes(tmp)
+                if self.crc32:
+                    record.crcs = tree_crc32s(storage, tmp, list(record.files), mapped)
+            else:
+                record.size = storage.size(tmp)
+                if self.crc32:
+                    record.crc32 = storage.file_crc32(tmp)
+            storage.rename(tmp, record.name, sync_dir=False)
+            record.time, record.seq = now(), self.ledger.next_seq()
+            storage.commit(record)
+        except Exception as err:
+            storage.remove(tmp)
+            storage.remove(record.name)
+            raise self.write_error(storage.path(record.name), err) from err
+        if add:
+            self.ledger.add(record)
+
     def write_error(self, path: str, err: BaseException) -> CheckpointWriteError:
         """The error for a failed write of ``path``: what failed, and which checkpoints are intact.
 
@@ -205,32 +242,23 @@ class StrategyWriter(CheckpointWriter):
         self.agree_or_raise(trainer, error, record, cleanup=tmp)
         if trainer.is_global_zero:
             try:
-                record.world_size, record.strategy = self.world_size, self.strategy
-                if storage.isdir(tmp):
-                    record.kind, record.files = "dir", storage.tree_sizes(tmp)
-                    if self.crc32:
-                        record.crcs = tree_crc32s(storage, tmp, list(record.files))
-                else:
-                    record.size = storage.size(tmp)
-                    if self.crc32:
-                        record.crc32 = storage.file_crc32(tmp)
-                storage.rename(tmp, record.name, sync_dir=False)
-                record.time, record.seq = now(), self.ledger.next_seq()
-                storage.commit(record)
-            except Exception as err:
-                storage.remove(tmp)
-                storage.remove(record.name)
-                error = self.write_error(storage.path(record.name), err)
+                self.commit_entry(tmp, record, add=False)
+            except CheckpointWriteError as err:
+                error = err
         self.agree_or_raise(trainer, error, record)
         if trainer.is_global_zero:
             self.ledger.add(record)
 
 
-def tree_crc32s(storage: Storage, top: str, files: list[str]) -> dict[str, int]:
-    """The CRC32 of each of ``files`` under directory ``top``, hashed on up to 4 threads (zlib releases the GIL)."""
+def tree_crc32s(storage: Storage, top: str, files: list[str], mapped: bool = True) -> dict[str, int]:
+    """The CRC32 of each of ``files`` under directory ``top``, hashed on up to 4 threads (zlib releases the GIL).
+
+    ``mapped=False`` reads them in pieces instead of memory-mapping them: a background commit then adds no
+    resident pages of the files to the process (a mapped file's pages count as its memory while hashed).
+    """
     workers = max(1, min(4, len(files), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="lplugins-checkpoint-crc32") as pool:
-        crcs = list(pool.map(lambda rel: crc32_of(storage, f"{top}/{rel}", threads=1), files))
+        crcs = list(pool.map(lambda rel: crc32_of(storage, f"{top}/{rel}", threads=1, map_file=mapped), files))
     return dict(zip(files, crcs, strict=True))
 
 
@@ -266,11 +294,23 @@ def writes_itself(trainer: Trainer) -> bool:
     ) is TorchCheckpointIO
 
 
+def saves_shards_async(trainer: Trainer) -> bool:
+    """Whether every rank may snapshot its own shards and write them in the background as a DCP directory.
+
+    True for a strategy that says so with a true ``saves_dcp_shards`` attribute
+    (:class:`~lplugins._pl.strategies.FSDP2Strategy` with ``save_distributed_checkpoint=True``: its synchronous save
+    is Lightning's ``ModelParallelStrategy`` layout, which :mod:`~lplugins._pl.callbacks._sharded_async` writes too).
+    """
+    return getattr(trainer.strategy, "saves_dcp_shards", False) is True
+
+
 def refuse_continuous(trainer: Trainer) -> None:
-    """Raise :class:`CheckpointConfigError` for ``continuous=True`` when the strategy writes its own checkpoints."""
-    if not writes_itself(trainer):
+    """Raise :class:`CheckpointConfigError` for ``continuous=True`` when the strategy writes its own checkpoints
+    synchronously (a sharded strategy whose shards are written in the background is not refused)."""
+    if not writes_itself(trainer) and not saves_shards_async(trainer):
         raise CheckpointConfigError(
             f"DurableCheckpoint(continuous=True): {type(trainer.strategy).__name__} (or its checkpoint_io) writes"
             " its own checkpoints, synchronously, so a save at every chance would stall every step. Use"
-            " every_n_steps or every_n_seconds with it, or a strategy whose checkpoint rank 0 writes (DDP)."
+            " every_n_steps or every_n_seconds with it, or a strategy whose checkpoint rank 0 writes (DDP), or FSDP2"
+            " whose shards every rank writes in the background (FSDP2Strategy(save_distributed_checkpoint=True))."
         )

@@ -22,11 +22,9 @@ from typing_extensions import override
 from lplugins._pl import _lightning
 from lplugins._log import announce
 from lplugins._pl.callbacks import _rng
-from lplugins._pl.callbacks._async import AsyncWriter
 from lplugins.callbacks._claim import DirectoryClaim, claim_directory
 from lplugins.callbacks._collective import any_rank, broadcast, gather, writable_on_every_rank
 from lplugins.callbacks._config import CheckpointConfig, ConfigField, check_dirpath
-from lplugins.callbacks._pacing import announce_continuous
 from lplugins._pl.callbacks._position import DataPosition
 from lplugins.callbacks._preemption import PREEMPTED_EXIT_CODE, PreemptionSignals, slurm_requeue
 from lplugins.callbacks._record import Record, now
@@ -35,7 +33,8 @@ from lplugins.callbacks._retention import Ledger
 from lplugins.callbacks._storage import canonical_dirpath
 from lplugins.callbacks._storages import open_storage
 from lplugins._pl.callbacks._triggers import Due
-from lplugins._pl.callbacks._writer import CheckpointWriter, StrategyWriter, SyncWriter, refuse_continuous, writes_itself
+from lplugins._pl.callbacks._writer import CheckpointWriter, refuse_continuous
+from lplugins._pl.callbacks._writers import choose_writer
 
 __all__ = ["DurableCheckpoint"]
 
@@ -72,9 +71,9 @@ class DurableCheckpoint(Checkpoint):
         continuous: Save continuously: with ``async_save``, a new save starts at the first step boundary
             after the previous one has committed and rested (``max_slowdown``; every rank agrees in the
             step's existing collective). Combines with the other triggers; needs ``async_save=True`` and a
-            ``keep_last`` (see ``docs/checkpoint.md``, "Continuous checkpointing"). A strategy that writes its
-            own sharded checkpoints (DeepSpeed, FSDP2's ``save_distributed_checkpoint=True``) saves synchronously
-            and is refused at ``fit``; FSDP2's default full-state file is written by rank 0 as DDP's.
+            ``keep_last`` (see ``docs/checkpoint.md``, "Continuous checkpointing"). DeepSpeed writes its own shards
+            synchronously and is refused at ``fit``; with FSDP2's ``save_distributed_checkpoint=True`` every rank
+            writes its own shards in the background; FSDP2's default full-state file is written by rank 0 as DDP's.
         max_slowdown: With ``continuous``, the most throughput saving may cost (``0.03``: 3 %): the writing
             rank times its steps with and without a save in flight and rests between saves as long as that
             takes (said once on rank zero). ``None``: never rest.
@@ -122,7 +121,8 @@ class DurableCheckpoint(Checkpoint):
             ``max_slowdown``, ``mode``, ``monitor``, ``verify``, ``filename``, ``dirpath`` (empty or not a path), a
             bool that is not a real ``bool``, or a signal is invalid or uncatchable (``SIGKILL``, ``SIGSTOP``);
             ``continuous=True`` without ``async_save=True`` or with ``keep_last=None``; at ``fit``,
-            ``continuous=True`` with a strategy that writes its own checkpoints. The message names the argument.
+            ``continuous=True`` with a strategy that writes its own checkpoints synchronously. The message names
+            the argument.
 
     Examples:
         >>> from pytorch_lightning import Trainer
@@ -251,27 +251,9 @@ class DurableCheckpoint(Checkpoint):
             storage.clean_leftovers(self.config.names.pattern).announce(dirpath)
             self._ledger.open()  # retention deletes old checkpoints off the training thread
         trainer.strategy.barrier("DurableCheckpoint.setup")
-        self._writer = self._choose_writer(trainer, self._ledger)
+        self._writer = choose_writer(trainer, self.config, self._ledger, self.dirpath)
         self._last_saved_step = -1
         self._last_save_time = time.monotonic()
-
-    def _choose_writer(self, trainer: Trainer, ledger: Ledger) -> CheckpointWriter:
-        if not writes_itself(trainer):
-            if self.config.async_save:
-                rank_zero_warn(
-                    f"DurableCheckpoint(async_save=True): {type(trainer.strategy).__name__} writes its own"
-                    " checkpoints; saving synchronously."
-                )
-            return StrategyWriter(ledger, self.config.crc32).describe(trainer)
-        if self.config.continuous:
-            announce_continuous(self.dirpath, self.config.keep_last, self.config.max_slowdown)
-        if self.config.async_save:
-            writer: CheckpointWriter = AsyncWriter(
-                ledger, self.config.crc32, self.config.max_in_flight, writes=trainer.is_global_zero,
-                max_slowdown=self.config.max_slowdown if self.config.continuous else None,
-            )  # fmt: skip
-            return writer.describe(trainer)
-        return SyncWriter(ledger, self.config.crc32).describe(trainer)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
