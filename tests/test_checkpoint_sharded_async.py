@@ -184,3 +184,45 @@ print(json.dumps({"rank": t.global_rank, "error": error, "step": Where.step,
     names = [e for e in by_rank[0]["entries"] if "step=000000004" in e]
     assert names == [], by_rank[0]["entries"]  # nothing of the failed save: no entry, no marker, no temporary
     assert "step=000000002-epoch=0000.ckpt" in by_rank[0]["entries"]
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_commit_on_rank_zero_fails_the_same_save_on_both_ranks_with_two_in_flight(tmp_path: Path) -> None:
+    """Rank 0's commit (after every rank wrote) fails: rank 1 learns it for that save, so the two ranks' queues of
+    saves stay paired (without it, rank 1's next save waited in a collective rank 0 never made, or paired with
+    rank 0's next save and a directory without rank 1's file was committed)."""
+    source = (
+        COMMON
+        + r"""
+ORIGINAL_COMMIT = _sharded_async.ShardedAsyncWriter.commit_entry
+def failing(self, tmp, record, **kw):  # rank 0's marker of the save of step 4 cannot be written (a full disk)
+    if record.global_step == 4:
+        raise OSError(errno.ENOSPC, "No space left on device", tmp)
+    return ORIGINAL_COMMIT(self, tmp, record, **kw)
+
+cb = DurableCheckpoint("ckpts", async_save=True, every_n_steps=1, keep_last=None, max_in_flight=2)
+t = trainer(cb, max_steps=12)
+if t.global_rank == 0:
+    _sharded_async.ShardedAsyncWriter.commit_entry = failing
+error = None
+try:
+    t.fit(model(), loader())
+except CheckpointWriteError as err:
+    error = str(err)
+time.sleep(0.5)
+dirs = {e: sorted(os.listdir(os.path.join("ckpts", e))) for e in os.listdir("ckpts")
+        if os.path.isdir(os.path.join("ckpts", e))}
+print(json.dumps({"rank": t.global_rank, "error": error, "committed": [os.path.basename(p) for p in cb.committed],
+                  "dirs": dirs}))
+"""
+    )
+    result = run_together(source, tmp_path, timeout=280).check()
+    by_rank = {o["rank"]: o for o in result.json_objects() if "error" in o}
+    assert set(by_rank) == {0, 1}, result.stdout
+    assert "No space left on device" in (by_rank[0]["error"] or ""), by_rank[0]
+    assert "failed on rank 0" in (by_rank[1]["error"] or ""), by_rank[1]
+    committed = by_rank[0]["committed"]
+    assert committed and all("step=000000004" not in c for c in committed), committed
+    for name in committed:  # every committed checkpoint holds both ranks' shards
+        files = by_rank[0]["dirs"][name]
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(files), (name, files)

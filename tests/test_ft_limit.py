@@ -89,3 +89,24 @@ def test_a_survivor_fails_the_all_reduce_after_the_limit_not_the_timeout(tmp_pat
     for result in results:
         assert result["error"] is not None and "Timed out waiting 2000ms" in str(result["error"]), result
         assert float(result["waited_s"]) < 10.0  # the limit is 2 s; torchft's timeout here is 20 s
+
+
+def test_the_first_all_reduce_of_each_quorum_runs_under_the_timeout() -> None:
+    """A group that just joined may take its first step slowly: each new quorum's first all-reduce gets the cap."""
+    from datetime import timedelta
+
+    from torch.distributed import AllreduceOptions, TCPStore
+
+    from lplugins.strategies._ft_limit import bounded_gloo
+
+    limit = AllreduceLimit("auto", cap_s=20.0)
+    for _ in range(5):
+        limit.observe(0.01)
+    pg = bounded_gloo(20.0, limit)
+    store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    timeouts = []
+    for quorum in (1, 2):
+        pg.configure(f"127.0.0.1:{store.port}/quorum_{quorum}", "replica_0", 0, 1)
+        for _ in range(2):
+            timeouts.append(pg._opts_hook(AllreduceOptions()).timeout)
+    assert timeouts == [timedelta(seconds=s) for s in (20.0, FLOOR_S, 20.0, FLOOR_S)]

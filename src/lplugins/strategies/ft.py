@@ -357,8 +357,11 @@ class FTDDPStrategy(SingleDeviceStrategy):
         recovers: torchft zeroes them, and the peer's state is applied in ``should_commit``).
         """
         manager = self._manager
+        if manager.errored() is None:
+            manager.wait_quorum()  # as allreduce does first: the limit learns from the all-reduce alone
         began = time.monotonic()
-        if manager.allreduce(flat).wait():  # on an error torchft reports it and the step does not commit
+        done = manager.allreduce(flat).wait()  # on an error torchft reports it and the step does not commit
+        if done and manager.errored() is None:  # not torchft's stand-in for an all-reduce it did not issue
             self.allreduce_limit.observe(time.monotonic() - began)
         if manager.errored() is not None and self._pg is not None:
             # A peer died mid-collective. Only its neighbours in gloo's ring see the error; the others

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lplugins._pl import _lightning
 from lplugins._pl.callbacks._async import BufferPool, DeferredCopy, snapshot
 from lplugins.callbacks._background import BackgroundQueue
+from lplugins.callbacks._collective import agree_on_failure
 from lplugins.callbacks._errors import CheckpointWriteError
 from lplugins.callbacks._pacing import Pacer
 from lplugins.callbacks._record import TMP_PREFIX, Record
@@ -40,13 +41,25 @@ from lplugins._pl.callbacks._writer import CheckpointWriter
 if TYPE_CHECKING:
     from pytorch_lightning import Trainer
 
-__all__ = ["CLOSE_WAIT_S", "META_FILENAME", "ShardedAsyncWriter", "local_shards", "rewrap", "storage_writer"]
+__all__ = [
+    "CLOSE_WAIT_S",
+    "META_FILENAME",
+    "PeerWriteError",
+    "ShardedAsyncWriter",
+    "local_shards",
+    "rewrap",
+    "storage_writer",
+]
 
 #: The file beside the DCP files with the rest of the checkpoint (Lightning's ``ModelParallelStrategy`` name).
 META_FILENAME = "meta.pt"
 
 #: How long :meth:`ShardedAsyncWriter.close` waits for saves still in flight (they need every rank).
 CLOSE_WAIT_S = 30.0
+
+
+class PeerWriteError(CheckpointWriteError):
+    """This rank's part of a save was fine; another rank's failed (its own error names the cause)."""
 
 
 def storage_writer(path: str) -> Any:
@@ -131,6 +144,7 @@ class ShardedAsyncWriter(CheckpointWriter):
         self._copy: DeferredCopy | None = None
         self._eager = False
         self._group: Any = None  # the background thread's own gloo group (created in describe, on every rank)
+        self._closed = False  # close() gave up waiting: a save still in flight must not commit any more
         #: The CPU buffers of the last snapshot, in traversal order (what the next save reuses).
         self.last_buffers: list[torch.Tensor] = []
 
@@ -195,12 +209,19 @@ class ShardedAsyncWriter(CheckpointWriter):
         except Exception as err:
             intact, error = False, err
         try:
-            # every rank learns whether any rank's snapshot was torn or its part failed: none then enters the save
-            flags = torch.tensor([int(not intact), int(error is not None)], dtype=torch.int64)
+            # every rank learns whether any rank's snapshot was torn or its part failed (none then enters the
+            # save), and that all write the same save: the step's MAX and the MAX of its negation must agree
+            step = int(record.global_step)
+            flags = torch.tensor([int(not intact), int(error is not None), step, -step], dtype=torch.int64)
             if group is not None:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             if error is not None or flags[1]:
-                raise error or CheckpointWriteError(f"Writing checkpoint {record.name} failed on another rank.")
+                raise error or PeerWriteError(f"Writing checkpoint {record.name} failed on another rank.")
+            if int(flags[2]) != -int(flags[3]):
+                raise CheckpointWriteError(
+                    f"The ranks' background writers reached different saves (steps {-int(flags[3])} to"
+                    f" {int(flags[2])}) for {record.name}; nothing of it is committed."
+                )
             if flags[0]:
                 if self._commits:
                     storage.remove(tmp)
@@ -208,15 +229,35 @@ class ShardedAsyncWriter(CheckpointWriter):
             # each rank writes and fsyncs its shards; rank 0 writes .metadata after all have; an error anywhere
             # is raised on every rank
             dcp_save(shards, storage_writer=storage_writer(storage.path(tmp)), process_group=group)
-            if self._commits:
-                storage.fsync_tree(tmp)  # the directory entries too (DCP fsynced each file before reporting it)
-                self.commit_entry(tmp, record, mapped=False)  # no file pages resident beside the training state
+            self._commit(tmp, record, group)
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             if self._commits:
                 storage.remove(tmp)
             if isinstance(err, CheckpointWriteError):
                 raise
             raise self.write_error(storage.path(record.name), err) from err
+
+    def _commit(self, tmp: str, record: Record, group: Any) -> None:
+        """Rank 0 commits; every rank learns whether it did, so all fail on the same save (their queues stay paired)."""
+        error: BaseException | None = None
+        if self._commits:
+            if self._closed:
+                error = CheckpointWriteError(
+                    f"{record.name} was still being written when the fit ended; not committed."
+                )
+            else:
+                try:
+                    self.storage.fsync_tree(tmp)  # the directory entries too (DCP fsynced each file it wrote)
+                    self.commit_entry(tmp, record, mapped=False)  # no file pages resident beside the training state
+                except Exception as err:
+                    error = err
+        failed = torch.tensor([int(error is not None)], dtype=torch.int64)
+        if group is not None:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        if error is not None:
+            raise error
+        if failed[0]:
+            raise PeerWriteError(f"Committing checkpoint {record.name} failed on rank 0.")
 
     def complete_snapshot(self) -> float | None:
         copy, self._copy = self._copy, None
@@ -254,6 +295,21 @@ class ShardedAsyncWriter(CheckpointWriter):
                 queue.close()
         raise CheckpointWriteError("A background checkpoint write failed on another rank (see its error).")
 
+    def finish(self, trainer: Trainer) -> None:
+        """As every writer's, except that a save that failed only because another rank's part did is not this
+        rank's failure: the rank whose part failed is the one named on every rank."""
+        self.flush()
+        self.ledger.flush()
+        error: BaseException | None = None
+        if self.failed():
+            try:
+                self.raise_failure()
+            except PeerWriteError:
+                error = None
+            except BaseException as err:
+                error = err
+        agree_on_failure(trainer, error, "a background checkpoint write")
+
     def flush(self) -> None:
         if self._queue is not None:
             self._queue.flush()
@@ -274,6 +330,8 @@ class ShardedAsyncWriter(CheckpointWriter):
             drained = not queue.in_flight or queue.failed
             if drained:
                 queue.close()
+            else:
+                self._closed = True  # the directory's claim and ledger are released after this
         self._pool = None
         self.last_buffers = []
         group, self._group = self._group, None
