@@ -111,7 +111,9 @@ def _job(kind: str, root: Path, strategy: str) -> None:  # one rank (a process o
     faulty = rank == world - 1
 
     def mark() -> None:
-        (root / "fault.json").write_text(json.dumps({"t": time.time(), "rank": rank}))
+        tmp = root / f"fault.json.{rank}.tmp"  # renamed into place: the harness never reads it half-written
+        tmp.write_text(json.dumps({"t": time.time(), "rank": rank}))
+        os.replace(tmp, root / "fault.json")
 
     class Data(Dataset):
         def __init__(self, n: int) -> None:
