@@ -167,18 +167,18 @@ def test_claims_from_another_host_are_judged_by_their_heartbeat(tmp_path: Path) 
     mine.release()
     assert not (tmp_path / CLAIM).exists()
     # a fresh heartbeat that never beats again: watched until the lease runs out, then taken over
+    t0 = time.monotonic()  # before the planted heartbeat: the lease is counted from it
     plant(heartbeat_age=0)
-    t0 = time.monotonic()
     mine = DirectoryClaim(storage, take_over=False, lease=1.0, heartbeat=0.2)
     assert mine.acquire() is None
     assert 0.5 < time.monotonic() - t0 < 5
     mine.release()
     # a claim that keeps beating: live, refused, naming it
-    other = DirectoryClaim(storage, take_over=False, lease=1.0, heartbeat=0.1)
-    other.claim.host = "elsewhere"
+    other = DirectoryClaim(storage, take_over=False, lease=5.0, heartbeat=0.1)  # 50 beats per lease: live however
+    other.claim.host = "elsewhere"  # loaded the machine
     assert other.acquire() is None
     try:
-        refusal = DirectoryClaim(storage, take_over=False, lease=1.0, heartbeat=0.1).acquire()
+        refusal = DirectoryClaim(storage, take_over=False, lease=5.0, heartbeat=0.1).acquire()
         assert refusal is not None and "in use by another job (host elsewhere, pid" in refusal
         with pytest.raises(CheckpointClaimError):
             raise CheckpointClaimError(refusal)

@@ -8,13 +8,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lplugins.callbacks import CheckpointConfigError, DurableCheckpoint
+from lplugins.callbacks import CheckpointConfigError, DurableCheckpoint, _async
 from lplugins.callbacks._background import WRITER_NICE
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._storages import open_storage
@@ -82,8 +83,9 @@ class Releaser(Callback):
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         held = self.held
         writer = next(c for c in trainer.callbacks if isinstance(c, DurableCheckpoint))._writer
+        queue = writer._queue if isinstance(writer, _async.AsyncWriter) else None  # not busy(): it times a step
         deadline = time.monotonic() + 60
-        while writer is not None and writer.busy() and not held.in_flight:  # queued: let its write begin
+        while queue is not None and queue.in_flight and not held.in_flight:  # queued: let its write begin
             assert time.monotonic() < deadline, "the queued write never began"
             time.sleep(0.001)
         if held.in_flight and trainer.global_step == held.started[-1] + held.hold:
@@ -149,42 +151,46 @@ def test_a_max_slowdown_outside_zero_to_one_is_refused_naming_it(value: Any) -> 
         DurableCheckpoint(continuous=True, async_save=True, max_slowdown=value)
 
 
-class SlowerWhileSaving(Callback):
-    """Steps take ``quiet`` seconds, ``busy`` while a save is being written (a write competing with training)."""
+class VirtualSteps(Callback):
+    """Steps of ``quiet`` seconds, ``busy`` while a save is being written, on the pacer's clock (no sleep: the
+    figures the pacer sees do not depend on the machine's load). Runs before the checkpoint callback."""
 
-    def __init__(self, quiet: float, busy: float) -> None:
-        self.quiet, self.busy = quiet, busy
+    def __init__(self, held: HeldWrites, quiet: float, busy: float) -> None:
+        self.held, self.quiet, self.busy = held, quiet, busy
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        queue = next(c for c in trainer.callbacks if isinstance(c, DurableCheckpoint))._writer._queue  # type: ignore[union-attr]
-        time.sleep(self.busy if queue is not None and queue.in_flight else self.quiet)
+        self.now += self.busy if self.held.in_flight else self.quiet
 
 
 @pytest.mark.parametrize("max_slowdown", [0.05, None])
 def test_continuous_saves_rest_as_long_as_their_cost_needs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, max_slowdown: float | None
 ) -> None:
-    """Writes of 0.1 s that make steps 10x slower (10 -> 100 ms): within a 5 % budget the pacer rests about
-    2 s (``0.2 * (0.9 / 0.05 - 1)``) after each save once it has timed both kinds of step; None never rests."""
-
-    def slow_write(writer: CheckpointWriter, record: Record, checkpoint: dict[str, Any]) -> None:
-        time.sleep(0.1)
-        ORIGINAL_WRITE(writer, record, checkpoint)
-
-    monkeypatch.setattr(CheckpointWriter, "write_file", slow_write)
+    """Each write lasts 2 steps, which it makes 10x slower (10 -> 100 ms): within a 5 % budget the pacer rests
+    ``S * (0.9 / 0.05 - 1)`` after each save (S: the save's 0.2 s, 3.4 s) once it has timed 3 steps of each kind;
+    None never rests. The steps' times are virtual and each write commits at a chosen boundary: exact counts."""
+    held = HeldWrites(hold=2)
+    monkeypatch.setattr(CheckpointWriter, "write_file", lambda self, record, ckpt: held.write_file(self, record, ckpt))
+    steps = VirtualSteps(held, quiet=0.01, busy=0.1)
+    monkeypatch.setattr(_async, "time", SimpleNamespace(monotonic=steps.monotonic, perf_counter=time.perf_counter))
     cb = DurableCheckpoint(
         tmp_path, continuous=True, async_save=True, keep_last=1, save_on_train_end=False, max_slowdown=max_slowdown
     )
     with caplog.at_level("INFO"):
-        Trainer(max_steps=50, callbacks=[cb, SlowerWhileSaving(0.01, 0.1)], **QUIET).fit(
+        Trainer(max_steps=50, callbacks=[cb, steps, Releaser(held)], **QUIET).fit(
             Regression(), regression_loader(256, batch_size=4)
         )
     said = [r.getMessage() for r in caplog.records if "a step takes" in r.getMessage()]
     if max_slowdown is None:
-        assert len(cb.save_stalls) >= 10 and not said  # a new save at the first boundary after each commit
+        assert held.started == list(range(1, 50, 2)) and not said  # a new save at each commit's boundary
     else:
-        # saves until 3 steps of each kind are timed (at least 1 per save), then one rest covers the rest
-        assert 2 <= len(cb.save_stalls) <= 5, len(cb.save_stalls)
+        # step 1 saves (commit at 3: 2 busy steps timed); the pacer rests to time 3 quiet steps, so step 6 saves
+        # (commit at 8: 4 busy); then it rests 3.4 s, 340 quiet steps, past the end of training
+        assert held.started == [1, 6], held.started
         assert len(said) == 1 and "at most 5% of throughput (max_slowdown=0.05" in said[0], said
 
 

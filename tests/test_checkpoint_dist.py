@@ -255,18 +255,18 @@ def test_continuous_saves_are_taken_by_every_rank_together_and_resume(tmp_path: 
     source = (
         COMMON.replace('strategy="ddp"', "strategy=STRATEGY")
         + r"""
-import time
-class Slow(pl.Callback):  # steps slower than a write of this model: most boundaries save
+class WritesKeepUp(pl.Callback):  # before the checkpoint's hook: each boundary finds the last save committed
     def on_train_batch_end(self, trainer, *args):
-        time.sleep(0.05)
+        cb._writer.flush()
 
 STRATEGY = sys.argv[1]
 if STRATEGY == "fsdp2":
     from lplugins.strategies import FSDP2Strategy
     STRATEGY = FSDP2Strategy()
-cb = DurableCheckpoint("ckpts", continuous=True, async_save=True, keep_last=2)
+# writes that always keep up, however loaded the machine (no pacing: that is timed, tested in-process)
+cb = DurableCheckpoint("ckpts", continuous=True, async_save=True, keep_last=2, max_slowdown=None)
 t = trainer(cb, max_steps=12)
-t.callbacks.append(Slow())
+t.callbacks.insert(0, WritesKeepUp())
 t.fit(M(), loader())
 first = len(cb.save_stalls)
 cb2 = DurableCheckpoint("ckpts", continuous=True, async_save=True, keep_last=2)
@@ -280,7 +280,7 @@ print(json.dumps({"rank": t.global_rank, "saves": first, "resumed": os.path.base
     result = run_together(source, tmp_path, args=[strategy]).check()
     by_rank = {o["rank"]: o for o in result.json_objects() if "saves" in o}
     assert set(by_rank) == {0, 1}
-    assert by_rank[0]["saves"] == by_rank[1]["saves"] >= 3  # the same saves on both ranks
+    assert by_rank[0]["saves"] == by_rank[1]["saves"] == 12, by_rank  # every boundary, the same on both ranks
     # 8 steps per epoch: step 12 is in epoch 1
     assert by_rank[0]["resumed"] == by_rank[1]["resumed"] == "step=000000012-epoch=0001.ckpt"
     assert by_rank[0]["committed"][-1] == "step=000000016-epoch=0001.ckpt" and len(by_rank[0]["committed"]) == 2

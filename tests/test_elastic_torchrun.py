@@ -52,7 +52,11 @@ if os.environ.get("DIE_IN_SAVE") == os.environ["RANK"] and os.environ["TORCHELAS
         if len(saves) == int(os.environ.get("DIE_IN_SAVE_AT", "2")):
             if os.environ.get("SLOW_IN_SAVE"):  # alive, only slow: the test stops the whole job meanwhile
                 open("in_save", "w").close()
-                time.sleep(float(os.environ["SLOW_IN_SAVE"]))
+                from lplugins.callbacks import DurableCheckpoint
+                cb = next(c for c in trainer.callbacks if isinstance(c, DurableCheckpoint))
+                deadline = time.monotonic() + float(os.environ["SLOW_IN_SAVE"])  # a cap: the write waits for
+                while cb._signals.received is None and time.monotonic() < deadline:  # the signal, however late
+                    time.sleep(0.05)
                 return write_file(self, record, checkpoint)
             time.sleep(1.0)  # the other ranks reach the agreement
             with open("died_at", "w") as f:
@@ -142,6 +146,14 @@ def _rank_of(pid: int) -> int | None:
         return None
     ranks = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
     return ranks[0] if ranks else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for torchrun to reap it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _kill_all(*procs: subprocess.Popen[bytes]) -> None:
@@ -299,14 +311,17 @@ def test_survivor_of_a_death_during_a_save_exits_at_torchruns_sigterm(tmp_path: 
     job = _torchrun(tmp_path, args, _env(DIE_IN_SAVE="0", DIE_IN_SAVE_AT="2"), "out.log")
     try:
         deadline = time.monotonic() + 120
+        survivor = None
         while not (tmp_path / "died_at").exists() or not (tmp_path / "died_at").read_text():
             assert job.poll() is None and time.monotonic() < deadline, "rank 0 did not reach its second save"
+            survivor = survivor or next((p for p in _descendants(job.pid) if _rank_of(p) == 1), None)
             time.sleep(0.05)
         committed_at_kill = _committed(tmp_path / "ck")
-        while not any(s["restart"] == 1 for s in _steps(tmp_path)):
-            assert job.poll() is None and time.monotonic() < deadline, "no step after the restart"
+        assert survivor is not None, "rank 1's process was never seen"
+        while _alive(survivor):  # only the survivor's end is timed: a restart's imports are not what is tested
+            assert time.monotonic() < deadline, "the survivor never ended"
             time.sleep(0.05)
-        kill_to_step = time.time() - float((tmp_path / "died_at").read_text())
+        death_to_end = time.time() - float((tmp_path / "died_at").read_text())
         job.wait(timeout=120)
     finally:
         _kill_all(job)
@@ -323,8 +338,8 @@ def test_survivor_of_a_death_during_a_save_exits_at_torchruns_sigterm(tmp_path: 
     )
     assert noticed or signalled, log[-5000:]
     assert _resumed_from(log) == 5
-    # without the fix the survivor lives until torchrun's SIGKILL, 30 s after its SIGTERM (then a restart)
-    assert kill_to_step < 30, (kill_to_step, log[-5000:])
+    # without the fix the survivor lives until torchrun's SIGKILL, 30 s after its SIGTERM
+    assert death_to_end < 20, (death_to_end, log[-5000:])
 
 
 @pytest.mark.distributed
@@ -337,7 +352,7 @@ def test_a_whole_job_stopped_during_a_save_still_saves_and_stops(tmp_path: Path)
     """
     port = free_port()
     args = ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
-    job = _torchrun(tmp_path, args, _env(DIE_IN_SAVE="0", DIE_IN_SAVE_AT="2", SLOW_IN_SAVE="4"), "out.log")
+    job = _torchrun(tmp_path, args, _env(DIE_IN_SAVE="0", DIE_IN_SAVE_AT="2", SLOW_IN_SAVE="60"), "out.log")
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "in_save").exists():

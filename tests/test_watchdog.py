@@ -361,7 +361,8 @@ class Model(Regression):
         print(json.dumps({"rank": self.global_rank, "longest_s": max(seen, default=0.0), "steps": len(seen)}))
 
 
-trainer = pl.Trainer(strategy=DDPStrategy(timeout=timedelta(seconds=600)), accelerator="cpu", devices=2, max_steps=10,
+# max_steps: after the slow step come 13 more, 0.65 s or more: samples (every 0.2 s) see it end before training does
+trainer = pl.Trainer(strategy=DDPStrategy(timeout=timedelta(seconds=600)), accelerator="cpu", devices=2, max_steps=20,
                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
 trainer.fit(Model(8, (16,)), regression_loader(64, features=8, batch_size=4))
 """
