@@ -226,3 +226,36 @@ print(json.dumps({"rank": t.global_rank, "error": error, "committed": [os.path.b
     for name in committed:  # every committed checkpoint holds both ranks' shards
         files = by_rank[0]["dirs"][name]
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(files), (name, files)
+
+
+@pytest.mark.timeout(300)
+def test_an_async_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
+    """Written in the background by 2 ranks, resumed by 1: every parameter and Adam moment as saved (torch DCP
+    reshards on load; the layout is the synchronous save's)."""
+    source = (
+        COMMON
+        + r"""
+world = int(sys.argv[1])
+snap = Snap()
+cb = DurableCheckpoint("ckpts", async_save=True, every_n_steps=2, keep_last=None)
+t = pl.Trainer(accelerator="cpu", devices=world, strategy=FSDP2Strategy(save_distributed_checkpoint=True),
+               callbacks=[cb, snap], logger=False, enable_progress_bar=False, enable_model_summary=False,
+               max_steps=4 if world == 2 else 5)
+t.fit(model(), loader(), ckpt_path=None if world == 2 else "latest")
+if t.global_rank == 0:
+    if world == 2:
+        with open("saved.json", "w") as f:
+            json.dump(snap.end, f)
+    else:
+        with open("saved.json") as f:
+            saved = json.load(f)
+        print(json.dumps({"resumed": os.path.basename(t.ckpt_path or ""), "step": t.global_step,
+                          "same": json.loads(json.dumps(snap.start)) == saved, "params": len(saved)}))
+"""
+    )
+    run_together(source, tmp_path, timeout=200, args=["2"]).check()
+    result = run_together(source, tmp_path, timeout=200, args=["1"], ranks=1).check()
+    (out,) = result.json_objects()
+    assert out["resumed"] == "step=000000004-epoch=0000.ckpt" and out["step"] == 5, out
+    assert out["same"] and out["params"] == 6, out  # 3 layers' weight and bias, each with its Adam moments
+    assert "resuming a checkpoint written by 2 rank(s) on 1 rank(s)" in result.stdout + result.stderr
