@@ -211,3 +211,25 @@ def test_strategy_class_validates_directly() -> None:
 
     with pytest.raises(DeepSpeedConfigError, match="Did you mean 'zero_optimization'"):
         DeepSpeedStrategy(config={"zero_optimizations": {"stage": 2}})
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_fp16_on_a_cpu_without_onednn_fp16_is_refused_before_the_trainer(
+    lplugins_manager: lplugins.PluginManager, monkeypatch: pytest.MonkeyPatch, supported: bool
+) -> None:
+    """DeepSpeed's CPU accelerator runs fp16 only where oneDNN does; elsewhere its ``initialize`` fails on every
+    rank. compose() asks the same accelerator first (and the strategy again on every rank, before the group)."""
+    from lplugins.strategies import _ds_cpu
+
+    monkeypatch.setattr(_ds_cpu, "_fp16_supported", lambda: supported)
+    for precision in ("bf16-mixed", "32-true"):  # any CPU
+        lplugins.compose(strategy="deepspeed_stage_2_cpu", accelerator="cpu", precision=precision)
+    fp16 = {"strategy": "deepspeed_stage_2_cpu", "accelerator": "cpu", "precision": "16-true"}  # ('16-mixed' on CPU:
+    if supported:  # refused for every strategy, a GPU's AMP)
+        lplugins.compose(**fp16)
+        return
+    with pytest.raises(DeepSpeedConfigError) as refused:
+        lplugins.compose(**fp16)
+    said = str(refused.value)
+    assert said.startswith("Trainer(precision='16-true') with DeepSpeed on CPU"), said
+    assert "(AVX512-FP16 or AMX-FP16)" in said and "Use precision='bf16-mixed' (any CPU) or '32-true'" in said

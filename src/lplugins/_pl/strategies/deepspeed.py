@@ -60,6 +60,7 @@ from lplugins.strategies._ds_config import (
     load_config,
     validate_config,
 )
+from lplugins.strategies._ds_cpu import check_cpu_precision, use_cpu_accelerator
 from lplugins.strategies.timeout import resolve_timeout
 
 if TYPE_CHECKING:
@@ -137,7 +138,8 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
         if not self._on_cpu:
             super().setup_environment()  # Lightning's CUDA check applies
             return
-        _use_deepspeed_cpu_accelerator()
+        use_cpu_accelerator()
+        check_cpu_precision(self.precision_plugin.precision)  # on every rank, before the process group
         DDPStrategy.setup_environment(self)  # skip Lightning's CUDA-only check
 
     @override
@@ -372,6 +374,8 @@ class DeepSpeedStrategy(_lightning.DeepSpeedHooksMixin, _LightningDeepSpeedStrat
         assert isinstance(self.config, dict)
         ga = trainer_kwargs.get("accumulate_grad_batches", 1)
         precision = trainer_kwargs.get("precision")
+        if trainer_kwargs.get("accelerator") == "cpu":
+            check_cpu_precision(precision)
         check_against_trainer(
             self.config,
             TrainerFacts(
@@ -430,17 +434,6 @@ def _save(checkpoint: dict[str, Any], out: str) -> None:
     import torch
 
     torch.save(checkpoint, out)
-
-
-def _use_deepspeed_cpu_accelerator() -> None:
-    """Make DeepSpeed use its CPU accelerator (it would pick CUDA on a machine that has it)."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    current = get_accelerator()
-    if current.device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
 
 
 def config_for_stage(
