@@ -20,7 +20,6 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from lplugins.callbacks._refusals import unsafe_error
-from lplugins.callbacks._unpickle import fast_weights_only_load
 
 __all__ = ["SafeResumeIO", "can_map", "load_weights_only", "mapped_load", "warn_not_weights_only"]
 
@@ -57,22 +56,23 @@ def can_map(io: CheckpointIO) -> bool:
 
 
 def mapped_load(path: str, map_location: Any = None) -> dict[str, Any]:
-    """``torch.load(path, mmap=True, weights_only=True)``: what ``TorchCheckpointIO`` loads, without the copy
-    (and unpickled at C speed: :mod:`lplugins.callbacks._unpickle`).
+    """``torch.load(path, mmap=True, weights_only=True)``: what ``TorchCheckpointIO`` loads, without the copy.
 
     A file torch cannot map (the legacy, non-zip format) is loaded the ordinary way.
 
     Raises:
         UnsafeCheckpointError: the file holds objects outside torch's weights-only allow-list.
     """
+    import torch
+
     location = _keep_location if map_location is None else map_location
     try:
         try:
-            loaded = fast_weights_only_load(path, location, mmap=True)
+            loaded: dict[str, Any] = torch.load(path, map_location=location, weights_only=True, mmap=True)
         except RuntimeError as err:
             if "mmap" not in str(err):
                 raise
-            loaded = fast_weights_only_load(path, location, mmap=False)
+            loaded = torch.load(path, map_location=location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise unsafe_error(path, err) from err
     return loaded

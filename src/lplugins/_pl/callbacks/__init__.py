@@ -34,7 +34,6 @@ The package, one concern per module (arrows point down: a module imports only th
     _storage_fsspec.py   FsspecStorage: fsspec URLs, no fsync
     _stream.py           StreamWriter: direct writes, early write-back, CRC32 off the critical path
     _crc.py              crc32_combine
-    _unpickle.py         fast_weights_only_load: torch's weights-only allow-list at C pickle's speed
     _record.py           the commit marker (Record), checkpoint names (NameTemplate: the ``filename`` template)
                          and their order
     _errors.py           the errors (each an LPluginsError with its builtin base)
