@@ -92,6 +92,8 @@ class Releaser(Callback):
             held.committed.clear()
             held.release.set()
             assert held.committed.wait(60)
+            if queue is not None:
+                queue.flush()  # and the writer's job has ended (the queue counts it in flight until then)
 
     def on_train_end(self, trainer: Trainer, *args: Any) -> None:
         self.held.free = True
