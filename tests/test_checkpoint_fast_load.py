@@ -1,0 +1,264 @@
+"""The fast verified load builds what ``torch.load(mmap=True, weights_only=True)`` builds, and never more.
+
+Equivalence: files written by ``torch.save`` (and by a real fit) come out with the same types, values,
+strides, sharing and attributes as torch's own weights-only load. Safety: hostile pickles (a code
+payload, ``BUILD`` on an allowed function, ``SETITEM`` on a tensor, a forged memo index, legacy and
+TorchScript files) are not built by the fast path: it returns ``None`` without running or changing
+anything, and the caller's torch load refuses what torch refuses.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import resource
+import struct
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lplugins.callbacks import DurableCheckpoint
+from lplugins.callbacks._errors import UnsafeCheckpointError
+from lplugins.callbacks._inert_pickle import Refused, read_inert, scan
+from lplugins.callbacks._mapped_build import fast_mapped_load
+from lplugins.callbacks._safe_io import mapped_load
+from tests.models import Regression, regression_loader
+
+QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def same(a: Any, b: Any, seen: dict[int, int] | None = None, path: str = "") -> None:
+    """``a`` and ``b`` equal in type, value, tensor layout, attributes and the pattern of shared objects."""
+    seen = {} if seen is None else seen
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
+        assert a.requires_grad == b.requires_grad and type(a._backward_hooks) is type(b._backward_hooks), path
+        assert torch.equal(a.detach(), b.detach()), path
+        pa, pb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+        assert seen.setdefault(pa, pb) == pb, f"{path}: storage shared differently"
+        return
+    if isinstance(a, (list, tuple, dict, set)):
+        assert seen.setdefault(id(a), id(b)) == id(b), f"{path}: shared differently"
+        if seen.get(-id(a)):
+            return  # already compared (a cycle or a shared object)
+        seen[-id(a)] = 1
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            same(a[k], b[k], seen, f"{path}.{k}")
+        assert getattr(a, "__dict__", {}).keys() == getattr(b, "__dict__", {}).keys(), path
+        for k, v in getattr(a, "__dict__", {}).items():
+            same(v, b.__dict__[k], seen, f"{path}@{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, seen, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def both(path: Path) -> tuple[Any, Any]:
+    fast = fast_mapped_load(str(path))
+    assert fast is not None, "the fast path refused a file torch.save wrote"
+    return fast, torch.load(path, mmap=True, weights_only=True, map_location=lambda s, _: s)
+
+
+def saved(tmp_path: Path, obj: Any) -> Path:
+    path = tmp_path / "state.ckpt"
+    torch.save(obj, path)
+    return path
+
+
+def test_a_state_of_every_kind_of_tensor_and_plain_data_builds_as_torch_builds_it(tmp_path: Path) -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    shared: list[Any] = [1, "x"]
+    cyclic: list[Any] = [0]
+    cyclic.append(cyclic)
+    state = {
+        "state_dict": model.state_dict(),  # an OrderedDict with _metadata
+        "view": base[1:, ::2],  # an offset, non-contiguous view of the same storage as "base"
+        "base": base,
+        "transposed": base.t(),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "dtypes": [
+            torch.ones(3, dtype=d) for d in (torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8)
+        ],
+        "complex": torch.tensor([1 + 2j], dtype=torch.complex64),
+        "param": torch.nn.Parameter(torch.randn(2, 2)),
+        "frozen": torch.nn.Parameter(torch.randn(2), requires_grad=False),
+        "grad": torch.randn(3).requires_grad_(),
+        "plain": {"a": 1, "b": 2.5, "c": None, "d": True, "e": b"\x00\xffbytes", 3: (1, 2), (1, "k"): "tuple key"},
+        "set": {1, 2, 3},
+        "empty_set": set(),
+        "size": torch.Size([2, 3]),
+        "device": torch.device("cpu"),
+        "dtype": torch.bfloat16,
+        "shared": [shared, shared],
+        "cyclic": cyclic,
+        "big_int": 2**80,
+        "text": "ünïcode",
+    }
+    fast, stock = both(saved(tmp_path, state))
+    same(fast, stock)
+    assert fast["view"].untyped_storage().data_ptr() == fast["base"].untyped_storage().data_ptr()
+    assert fast["cyclic"][1] is fast["cyclic"] and fast["shared"][0] is fast["shared"][1]
+    assert isinstance(fast["param"], torch.nn.Parameter) and not fast["frozen"].requires_grad
+
+
+def test_a_checkpoint_from_a_real_fit_builds_as_torch_builds_it_and_the_verified_resume_uses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed_everything(5, verbose=False)
+    durable = DurableCheckpoint(tmp_path, every_n_steps=2, save_on_train_end=False)
+    trainer = Trainer(callbacks=[durable], max_steps=2, **QUIET)
+    model = Regression(hidden=[16], optimizer="adam")
+    trainer.fit(model, regression_loader(16, batch_size=4))
+    path = Path(durable.committed[-1])
+    fast, stock = both(path)
+    same(fast, stock)
+    assert fast["optimizer_states"][0]["state"], "Adam's moments are in the file"
+
+    built: list[str] = []
+    import lplugins.callbacks._safe_io as safe_io
+
+    monkeypatch.setattr(safe_io, "fast_mapped_load", lambda p: built.append(p) or fast_mapped_load(p))
+    durable.setup(trainer, model, "fit")
+    try:
+        loaded = trainer.strategy.checkpoint_io.load_checkpoint("latest")
+    finally:
+        durable.teardown(trainer, model, "fit")
+    assert built == [str(path)]
+    same(loaded, stock)
+
+
+def zip_with_pickle(tmp_path: Path, data: bytes, tensors: int = 1) -> Path:
+    """A torch zip archive (as ``torch.save`` writes it) whose ``data.pkl`` is replaced by ``data``."""
+    source = saved(tmp_path, [torch.zeros(4) for _ in range(tensors)])
+    target = tmp_path / "forged.ckpt"
+    with zipfile.ZipFile(source) as zin, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            body = data if item.filename.endswith("/data.pkl") else zin.read(item)
+            zout.writestr(item, body)
+    return target
+
+
+class Payload:
+    """Unpickling this runs ``os.system`` (the classic code-execution pickle)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickled_code_payload_is_never_run_and_the_load_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    path = zip_with_pickle(tmp_path, pickle.dumps({"x": Payload(marker)}, protocol=2))
+    assert fast_mapped_load(str(path)) is None
+    with pytest.raises(UnsafeCheckpointError):
+        mapped_load(str(path))
+    assert not marker.exists()
+
+
+def test_build_on_an_allowed_function_changes_nothing_in_torch(tmp_path: Path) -> None:
+    original = torch._utils._rebuild_tensor_v2.__dict__.copy()
+    # GLOBAL torch._utils _rebuild_tensor_v2, then BUILD with (None, {"owned": 1}): set an attribute on the function
+    data = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}X\x05\x00\x00\x00ownedK\x01s\x86b."
+    with pytest.raises(Refused, match="BUILD on the global"):
+        read_inert(data, frozenset({("torch._utils", "_rebuild_tensor_v2")}))
+    assert fast_mapped_load(str(zip_with_pickle(tmp_path, data))) is None
+    assert torch._utils._rebuild_tensor_v2.__dict__ == original
+
+
+def torch_saved_pickle(tmp_path: Path, obj: Any) -> bytes:
+    """The ``data.pkl`` ``torch.save`` writes for ``obj``."""
+    with zipfile.ZipFile(saved(tmp_path, obj)) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+
+def test_setitem_on_a_tensor_is_refused_and_the_file_keeps_its_bytes(tmp_path: Path) -> None:
+    good = torch_saved_pickle(tmp_path, torch.zeros(4))
+    assert good.endswith(b"Rq\x0b.")  # the tensor: REDUCE, BINPUT 11, STOP
+    forged = good[:-1] + b"K\x00G" + struct.pack(">d", 7.0) + b"s."  # tensor[0] = 7.0, on the mapped pages
+    path = zip_with_pickle(tmp_path, forged)
+    before = path.read_bytes()
+    assert fast_mapped_load(str(path)) is None
+    with pytest.raises(UnsafeCheckpointError, match="Refusing to load"):  # torch refuses it too
+        mapped_load(str(path))
+    assert path.read_bytes() == before
+
+
+def test_a_forged_memo_index_is_refused_before_c_pickle_allocates_for_it() -> None:
+    forged = b"\x80\x02Nr" + (2**30).to_bytes(4, "little") + b"."
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(Refused, match="memo index"):
+        scan(forged)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB: not the 8 GiB table
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (pickle.dumps({"a": 1}, protocol=4), "protocol 2"),
+        (b"\x80\x02\x8c\x01a.", "opcode 0x8c"),  # SHORT_BINUNICODE: not an opcode torch's unpickler runs
+        (b"\x80\x02N", "no STOP"),
+    ],
+)
+def test_the_scan_refuses_what_torchs_weights_only_unpickler_would_not_read(data: bytes, why: str) -> None:
+    with pytest.raises(Refused, match=why):
+        scan(data)
+
+
+def test_legacy_torchscript_and_foreign_files_fall_back_to_torchs_own_load(tmp_path: Path) -> None:
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    assert fast_mapped_load(str(legacy)) is None
+    assert torch.equal(mapped_load(str(legacy))["w"], torch.ones(2))
+
+    script = tmp_path / "script.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), script)
+    assert fast_mapped_load(str(script)) is None
+    with pytest.raises(Exception, match="TorchScript"):
+        mapped_load(str(script))
+
+    other = tmp_path / "other.ckpt"
+    other.write_bytes(b"not a checkpoint")
+    assert fast_mapped_load(str(other)) is None
+
+
+def test_a_global_outside_the_allow_list_is_left_to_torch_which_decides(tmp_path: Path) -> None:
+    path = saved(tmp_path, {"counter": __import__("collections").Counter(a=1)})  # torch allows Counter; we don't
+    assert fast_mapped_load(str(path)) is None
+    assert mapped_load(str(path))["counter"] == {"a": 1}
+
+
+def test_a_tensor_reaching_past_its_storage_is_not_built(tmp_path: Path) -> None:
+    good = torch_saved_pickle(tmp_path, torch.zeros(4))
+    forged = good.replace(b"K\x04\x85", b"M\x90\x01\x85", 1)  # size (4,) -> (400,) over a storage of 4 floats
+    assert forged != good
+    path = zip_with_pickle(tmp_path, forged)
+    assert fast_mapped_load(str(path)) is None
+    with pytest.raises(RuntimeError, match=r"not resizable|out of bounds"):
+        torch.load(path, mmap=True, weights_only=True)
+
+
+def test_the_inert_reader_keeps_what_opcodes_set_on_a_call_as_records() -> None:
+    ordered = OrderedDict(a=1)
+    ordered._metadata = {"k": 2}  # type: ignore[attr-defined]
+    tree = read_inert(pickle.dumps(ordered, protocol=2), frozenset({("collections", "OrderedDict")}))
+    assert (tree.func.module, tree.func.name, tree.args, tree.items) == ("collections", "OrderedDict", (), [("a", 1)])
+    assert tree.state == {"_metadata": {"k": 2}}
+    stream = io.BytesIO()
+    pickle.dump(ordered, stream, protocol=2)
+    with pytest.raises(Refused, match=r"collections\.OrderedDict"):
+        read_inert(stream.getvalue(), frozenset())
