@@ -174,7 +174,7 @@ def test_build_on_an_allowed_function_changes_nothing_in_torch(tmp_path: Path) -
     original = torch._utils._rebuild_tensor_v2.__dict__.copy()
     # GLOBAL torch._utils _rebuild_tensor_v2, then BUILD with (None, {"owned": 1}): set an attribute on the function
     data = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}X\x05\x00\x00\x00ownedK\x01s\x86b."
-    with pytest.raises(Refused, match="BUILD on the global"):
+    with pytest.raises(Refused, match="'b' on a global"):
         read_inert(data, frozenset({("torch._utils", "_rebuild_tensor_v2")}))
     assert fast_mapped_load(str(zip_with_pickle(tmp_path, data))) is None
     assert torch._utils._rebuild_tensor_v2.__dict__ == original
@@ -201,8 +201,10 @@ def test_setitem_on_a_tensor_is_refused_and_the_file_keeps_its_bytes(tmp_path: P
 def test_a_forged_memo_index_is_refused_before_c_pickle_allocates_for_it() -> None:
     forged = b"\x80\x02Nr" + (2**30).to_bytes(4, "little") + b"."
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(Refused, match="memo index"):
+    with pytest.raises(Refused, match="memo index out of order"):
         scan(forged)
+    with pytest.raises(Refused, match="memo index out of order"):
+        read_inert(forged, frozenset())
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB: not the 8 GiB table
 
 
@@ -212,11 +214,93 @@ def test_a_forged_memo_index_is_refused_before_c_pickle_allocates_for_it() -> No
         (pickle.dumps({"a": 1}, protocol=4), "protocol 2"),
         (b"\x80\x02\x8c\x01a.", "opcode 0x8c"),  # SHORT_BINUNICODE: not an opcode torch's unpickler runs
         (b"\x80\x02N", "no STOP"),
+        (b"\x80\x02cN\nK\nc", "GLOBAL without its two lines"),  # once looped for ever
+        (b"\x80\x02ccollections\nOrderedDict\n)RNb.", "BUILD on an OrderedDict.. call with a plain value"),
+        (b"\x80\x02ctorch\nSize\n)R}b.", "'b' on a call"),  # BUILD on a tensor, a Size: only OrderedDict
+        (b"\x80\x02)Q}b.", "'b' on a persistent id"),
+        (b"\x80\x02}K\x01a.", "'a' on a dict"),  # APPEND only on a list
+        (b"\x80\x02]K\x01K\x02s.", "'s' on a list"),  # SETITEM only on a dict or an OrderedDict()
+        (b"\x80\x02ctorch\nSize\n)RK\x01K\x02s.", "'s' on a call"),
+        (b"\x80\x02])R.", "REDUCE of a list"),  # REDUCE only calls a global
+        (b"\x80\x02K\x01Q.", "persistent id that is not a tuple"),
+        (b"\x80\x02h\x00.", "read before it is written"),
+        (b"\x80\x02Nq\x01.", "out of order"),
+        (b"\x80\x02(K\x01\x86.", "pop across a MARK"),
+        (b"\x80\x02NN.", "STOP with other than one object"),
+        (b"\x80\x02ctorch\nSize\n)\x81.", "opcode 0x81"),  # NEWOBJ: the fast load builds no class
     ],
 )
+@pytest.mark.timeout(10)
 def test_the_scan_refuses_what_torchs_weights_only_unpickler_would_not_read(data: bytes, why: str) -> None:
     with pytest.raises(Refused, match=why):
         scan(data)
+    with pytest.raises(Refused):
+        read_inert(data, frozenset({("collections", "OrderedDict"), ("torch", "Size")}))
+
+
+def test_a_refusal_names_kinds_never_the_files_values(tmp_path: Path) -> None:
+    # 60 levels of a list holding the level below twice: its repr would be 2**60 pairs of brackets
+    nested: list[Any] = []
+    for _ in range(60):
+        nested = [nested, nested]
+
+    class WithPid(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return ("storage", nested, "0", "cpu", 4) if obj is marker else None
+
+    marker = object()
+    for tree in ({"t": marker}, {"size": nested}):
+        stream = io.BytesIO()
+        WithPid(stream, protocol=2).dump(tree)
+        path = zip_with_pickle(tmp_path, stream.getvalue())
+        with pytest.raises(Refused) as refused:
+            fast_mapped_load_or_refusal(path)
+        assert len(str(refused.value)) < 200
+
+
+def fast_mapped_load_or_refusal(path: Path) -> Any:
+    """Build ``path`` as the fast load does, but raise its refusal instead of returning ``None``."""
+    from lplugins.callbacks import _mapped_build
+
+    reader = torch._C.PyTorchFileReader(str(path))
+    storages, dtypes, allowed = _mapped_build._tables()
+    tree = read_inert(reader.get_record("data.pkl"), allowed)
+    whole = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
+    built = _mapped_build._Builder(reader, whole, path.stat().st_size, storages, dtypes).build(tree)
+    if isinstance(built, dict) and "size" in built:
+        _mapped_build._ints(built["size"], "size")
+    return built
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        # [OrderedDict() BUILT with a dict that gains a key after the BUILD, that dict]: __dict__ stays empty
+        (b"\x80\x02](ccollections\nOrderedDict\n)Rq\x00}q\x01bh\x01X\x01\x00\x00\x00kK\x01se.", "od"),
+        # [set(a list), the list after an APPEND]: the set is made from the list as it was at the call
+        (b"\x80\x02](cbuiltins\nset\n]q\x00\x85Rh\x00K\x01ae.", "set"),
+    ],
+)
+def test_what_an_opcode_gave_a_record_is_kept_as_it_was_then(tmp_path: Path, data: bytes, expected: str) -> None:
+    fast, torchs = both(zip_with_pickle(tmp_path, data))
+    same(fast, torchs)
+    if expected == "od":
+        assert torchs[0].__dict__ == {} and torchs[1] == {"k": 1}
+    else:
+        assert torchs == [set(), [1]]
+
+
+def test_a_persistent_id_or_a_second_build_never_takes_state() -> None:
+    from lplugins.callbacks._inert_pickle import Call, Global, Persistent
+
+    with pytest.raises(Refused, match="persistent id"):
+        Persistent(("storage",)).__setstate__({})
+    call = Call(Global("collections", "OrderedDict"), ())
+    call.__setstate__({"_metadata": {}})
+    with pytest.raises(Refused, match="second BUILD"):
+        call.__setstate__({"_metadata": {}})
+    with pytest.raises(Refused, match="without a dict"):
+        Call(Global("collections", "OrderedDict"), ()).__setstate__(None)
 
 
 def test_legacy_torchscript_and_foreign_files_fall_back_to_torchs_own_load(tmp_path: Path) -> None:

@@ -8,11 +8,12 @@ objects on the stack (``BUILD``, ``SETITEM``) lands either in fresh built-in con
 ``list`` this parse made) or in these records, which only remember it; what a record may become is
 decided afterwards, against an explicit allow-list, by the builder.
 
-Before C ``pickle`` sees the bytes, :func:`scan` walks their opcodes: only protocol 2 and the opcodes
-torch's own weights-only unpickler accepts pass, and no memo index may exceed the pickle's length
-(C ``pickle`` sizes its memo table by the largest index it is given, so one forged index could make it
-allocate gigabytes). Anything else is refused (:class:`Refused`), and the caller falls back to
-``torch.load(weights_only=True)``, which decides for itself.
+Before C ``pickle`` sees the bytes, :func:`~lplugins.callbacks._pickle_scan.scan` runs their opcodes
+over kinds and applies torch's weights-only rules (which opcodes, on which kinds of object, memo
+indices in order). Records keep what an opcode gave them as it was at that opcode (a ``BUILD`` state,
+a list argument), as torch's unpickler would have consumed it. Anything else is refused
+(:class:`Refused`), and the caller falls back to ``torch.load(weights_only=True)``, which decides for
+itself.
 """
 
 from __future__ import annotations
@@ -20,17 +21,14 @@ from __future__ import annotations
 import io
 import pickle
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-from typing import Any, NoReturn
+from typing import Any
 
-__all__ = ["Call", "Global", "Persistent", "Refused", "read_inert", "scan"]
+from lplugins.callbacks._pickle_scan import Refused, scan
 
+__all__ = ["NO_STATE", "Call", "Global", "Persistent", "Refused", "read_inert", "scan"]
 
-class Refused(Exception):
-    """The pickle is outside what the fast load reads; the caller falls back to torch's own load."""
-
-
-def _refuse(why: str) -> NoReturn:
-    raise Refused(why)
+NO_STATE: Any = object()
+"""What :attr:`Call.state` holds when no ``BUILD`` applied to the call."""
 
 
 class Global:
@@ -43,10 +41,11 @@ class Global:
         self.name = name
 
     def __call__(self, *args: Any) -> Call:
-        return Call(self, args)
+        # a list argument as it is now: ``set(list)`` reads it at the call, a later APPEND must not show
+        return Call(self, tuple(list(a) if type(a) is list else a for a in args))
 
     def __setstate__(self, state: Any) -> None:
-        _refuse(f"BUILD on the global {self.module}.{self.name}")
+        raise Refused(f"BUILD on the global {self.module}.{self.name}")
 
 
 class Call:
@@ -58,15 +57,15 @@ class Call:
         self.func = func
         self.args = args
         self.items: list[tuple[Any, Any]] = []
-        self.state: Any = None
+        self.state: Any = NO_STATE
 
     def __setitem__(self, key: Any, value: Any) -> None:  # SETITEM(S)
         self.items.append((key, value))
 
     def __setstate__(self, state: Any) -> None:  # BUILD
-        if self.state is not None:
-            _refuse(f"a second BUILD on a call of {self.func.module}.{self.func.name}")
-        self.state = state
+        if self.state is not NO_STATE or type(state) is not dict:
+            raise Refused(f"a second BUILD, or one without a dict, on a call of {self.func.module}.{self.func.name}")
+        self.state = dict(state)  # as it is now: torch copies it into ``__dict__`` here; later SETITEMs must not show
 
 
 class Persistent:
@@ -77,68 +76,8 @@ class Persistent:
     def __init__(self, pid: Any) -> None:
         self.pid = pid
 
-
-# Opcodes torch's weights-only unpickler accepts (protocol 2), by how their argument is laid out.
-_NONE, _FIXED1, _FIXED2, _FIXED4, _FIXED8, _COUNT1, _COUNT4, _LINES, _BAD = range(9)
-_KIND = [_BAD] * 256
-for _ops, _kind in (
-    (b"(t\x85\x86\x87N\x88\x89)]}\x8fRbaesuQ\x81", _NONE),
-    (b"Khq", _FIXED1),
-    (b"M", _FIXED2),
-    (b"Jj", _FIXED4),
-    (b"G", _FIXED8),
-    (b"U\x8a", _COUNT1),
-    (b"X", _COUNT4),
-    (b"c", _LINES),
-):
-    for _op in _ops:
-        _KIND[_op] = _kind
-_LONG_BINPUT = ord("r")
-_KIND[_LONG_BINPUT] = _FIXED4
-_STOP = ord(".")
-_KIND[_STOP] = _NONE
-
-
-def scan(data: bytes) -> None:
-    """Check ``data``'s opcodes before C ``pickle`` reads them.
-
-    Raises:
-        Refused: not protocol 2, an opcode torch's weights-only unpickler would not run, a memo index
-            larger than the pickle, or no ``STOP``.
-    """
-    if data[:2] != b"\x80\x02":
-        _refuse("not a protocol 2 pickle")
-    n = len(data)
-    kind = _KIND
-    i = 2
-    while i < n:
-        op = data[i]
-        i += 1
-        k = kind[op]
-        if k == _NONE:
-            if op == _STOP:
-                return
-        elif k == _FIXED1:
-            i += 1
-        elif k == _FIXED4:
-            if op == _LONG_BINPUT and int.from_bytes(data[i : i + 4], "little") >= n:
-                _refuse("a memo index larger than the pickle")
-            i += 4
-        elif k == _FIXED2:
-            i += 2
-        elif k == _COUNT4:
-            i += 4 + int.from_bytes(data[i : i + 4], "little")
-        elif k == _COUNT1:
-            i += 1 + data[i] if i < n else 1
-        elif k == _FIXED8:
-            i += 8
-        elif k == _LINES:
-            i = data.find(b"\n", data.find(b"\n", i) + 1) + 1
-            if i == 0:
-                break
-        else:
-            _refuse(f"opcode {op:#04x}")
-    _refuse("no STOP")
+    def __setstate__(self, state: Any) -> None:
+        raise Refused("BUILD on a persistent id")
 
 
 class _Reader(pickle.Unpickler):
@@ -156,7 +95,7 @@ class _Reader(pickle.Unpickler):
         found = self._globals.get(key)
         if found is None:
             if key not in self._allowed:
-                _refuse(f"the global {module}.{name}")
+                raise Refused(f"the global {module[:64]}.{name[:64]}")  # the file's text: bounded
             found = self._globals[key] = Global(module, name)
         return found
 

@@ -25,7 +25,7 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
-from lplugins.callbacks._inert_pickle import Call, Global, Persistent, Refused, read_inert
+from lplugins.callbacks._inert_pickle import NO_STATE, Call, Global, Persistent, Refused, read_inert
 
 __all__ = ["fast_mapped_load"]
 
@@ -78,6 +78,9 @@ def fast_mapped_load(path: str) -> Any | None:
         _TABLES = _tables()
     storages, dtypes, allowed = _TABLES
     try:
+        with open(path, "rb") as file:
+            if file.read(4) != b"PK\x03\x04":
+                return None  # not a zip archive (a legacy torch file, a safetensors file)
         reader: Any = torch._C.PyTorchFileReader(path)
         if reader.has_record("constants.pkl") or not reader.has_record("byteorder"):
             return None  # TorchScript, or written before torch recorded the byte order
@@ -94,7 +97,7 @@ def fast_mapped_load(path: str) -> Any | None:
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     if type(value) is not tuple or any(type(v) is not int or v < 0 for v in value):
-        raise Refused(f"{what} {value!r} is not a tuple of non-negative ints")
+        raise Refused(f"{what} is {type(value).__name__}, not a tuple of non-negative ints")
     return value
 
 
@@ -105,7 +108,7 @@ def _no_hooks(node: Any) -> None:
         and (node.func.module, node.func.name) == ("collections", "OrderedDict")
         and node.args == ()
         and not node.items
-        and node.state is None
+        and node.state is NO_STATE
     ):
         raise Refused("a tensor with backward hooks")
 
@@ -170,7 +173,7 @@ class _Builder:
         name = node.func.name
         if node.func.module == "collections":  # OrderedDict: its items and __dict__ (``_metadata``) may follow
             return self._ordered_dict(node)
-        if node.items or node.state is not None:
+        if node.items or node.state is not NO_STATE:
             raise Refused(f"SETITEM or BUILD on a call of {node.func.module}.{name}")
         if name == "_rebuild_tensor_v2":
             return self._tensor(*node.args) if len(node.args) == 6 else _refuse_args(node)
@@ -199,7 +202,7 @@ class _Builder:
         self._building.discard(id(node))
         for k, v in node.items:
             out[self._key(k)] = v if type(v) in _PLAIN else self.build(v)
-        if node.state is not None:
+        if node.state is not NO_STATE:
             state = self.build(node.state)
             if type(state) is not dict or any(type(k) is not str for k in state):
                 raise Refused("BUILD on an OrderedDict with a state that is not a dict of names")
@@ -208,20 +211,21 @@ class _Builder:
 
     def _storage(self, node: Any) -> tuple[Any, Any]:
         pid = node.pid if type(node) is Persistent else None
+        # the messages name types, never the file's values (a shared list's repr can be exponential)
         if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
-            raise Refused(f"a storage argument {pid!r}")
+            raise Refused(f"a storage argument of type {type(pid).__name__}")
         _, kind, key, location, numel = pid
         if type(key) is not str or type(location) is not str or type(numel) is not int or numel < 0:
-            raise Refused(f"a storage record {pid!r}")
+            raise Refused("a storage record whose key, location or size is not of its type")
         if type(kind) is not Global or kind.module != "torch" or kind.name not in self._storage_dtypes:
-            raise Refused(f"a storage of type {getattr(kind, 'name', kind)!r}")
+            raise Refused(f"a storage whose type is {type(kind).__name__}, not an allowed torch storage")
         found = self._storages.get(key)
         if found is None:
             dtype = self._storage_dtypes[kind.name]
             nbytes = numel * dtype.itemsize
             offset = self._reader.get_record_offset(f"data/{key}")
             if offset < 0 or offset + nbytes > self._size:
-                raise Refused(f"storage {key} lies outside the file")
+                raise Refused("a storage that lies outside the file")
             found = self._storages[key] = (self._whole[offset : offset + nbytes], dtype)
         return found
 
@@ -233,7 +237,7 @@ class _Builder:
             raise Refused("a tensor's offset or requires_grad")
         size, stride = _ints(size, "size"), _ints(stride, "stride")
         if len(size) != len(stride):
-            raise Refused(f"size {size} and stride {stride} differ in length")
+            raise Refused("a size and a stride that differ in length")
         _no_hooks(hooks)
         tensor = torch.empty((0,), dtype=dtype).set_(untyped, offset, size, stride)  # set_ checks the bounds
         if requires_grad:
