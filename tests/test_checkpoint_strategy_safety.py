@@ -306,6 +306,23 @@ def test_the_dcp_metadata_unpickler_allows_metadata_and_refuses_the_rest(tmp_pat
         _lightning.loading._restricted_unpickle(good, _lightning.DCP_METADATA_TYPES)
 
 
+def test_the_dcp_metadata_unpickler_changes_no_allowed_class_and_allocates_no_forged_memo(tmp_path: Path) -> None:
+    import pathlib
+    import resource
+
+    path = tmp_path / ".metadata"
+    exists = pathlib.PosixPath.exists
+    # GLOBAL pathlib.PosixPath, BUILD with (None, {"exists": None}): a setattr on the class, for the whole process
+    path.write_bytes(b"\x80\x02cpathlib\nPosixPath\nN}X\x06\x00\x00\x00existsNs\x86b.")
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata.*the type builtins\.type"):
+        _lightning.loading._restricted_unpickle(path, _lightning.DCP_METADATA_TYPES)
+    assert pathlib.PosixPath.exists is exists
+    path.write_bytes(b"\x80\x02Nr" + (2**30).to_bytes(4, "little") + b".")  # memo index 2**30: an 8 GiB C table
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert _lightning.loading._restricted_unpickle(path, _lightning.DCP_METADATA_TYPES) is None
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB
+
+
 def test_every_allow_listed_type_exists() -> None:
     pytest.importorskip("deepspeed")
     names = _lightning.DEEPSPEED_SAFE_TYPES + _lightning.DCP_METADATA_TYPES

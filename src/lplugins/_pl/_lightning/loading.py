@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lplugins._pl._lightning.registry import _private
 
@@ -362,21 +362,41 @@ def _unsafe_globals(path: Any) -> list[str]:
 
 
 def _restricted_unpickle(path: Any, allowed: tuple[str, ...]) -> Any:
-    """Unpickle ``path`` with only ``allowed`` globals (``"module.Name"``) and torch's dtypes."""
+    """Unpickle ``path`` with only ``allowed`` globals (``"module.Name"``) and torch's dtypes.
+
+    Python's own unpickler, not C ``pickle``: its memo is a dict (C ``pickle`` sizes a table by the
+    largest memo index a file gives, so one forged index could allocate gigabytes), and its ``BUILD`` can
+    be checked: state goes only onto an instance of an allowed class, never onto an allowed class or
+    function itself (that would change it for the whole process).
+    """
     import pickle
 
     import torch
 
     names = set(allowed)
+    classes: set[type] = set()
 
-    class Unpickler(pickle.Unpickler):
+    class Unpickler(pickle._Unpickler):
+        dispatch: ClassVar[dict[int, Callable[..., None]]] = dict(pickle._Unpickler.dispatch)
+
         def find_class(self, module: str, name: str) -> Any:
             full = f"{module}.{name}"
             if full in names or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
                 obj = _resolve_global(full)
                 if obj is not None:
+                    if isinstance(obj, type):
+                        classes.add(obj)
                     return obj
             raise pickle.UnpicklingError(f"disallowed type {full}")
+
+        def load_build(self) -> None:
+            stack: list[Any] = self.stack  # type: ignore[attr-defined]  # pure-Python unpickler's own
+            target = stack[-2] if len(stack) > 1 else None
+            if type(target) not in classes:
+                raise pickle.UnpicklingError(f"disallowed type {type(target).__name__} (BUILD on it)")
+            super().load_build()  # type: ignore[misc]
+
+        dispatch[pickle.BUILD[0]] = load_build
 
     with open(path, "rb") as f, _refusing(path):
         return Unpickler(f).load()
