@@ -45,15 +45,19 @@ _PLAIN, _TUPLE, _LIST, _DICT, _SET, _GLOBAL, _ORDERED_GLOBAL, _CALL, _ORDERED, _
     "an OrderedDict() call",
     "a persistent id",
 )
-_PUSH = {
-    **dict.fromkeys(b"N\x88\x89KMJGU\x8aX", _PLAIN),
-    ord(")"): _TUPLE,
-    ord("]"): _LIST,
-    ord("}"): _DICT,
-    0x8F: _SET,  # EMPTY_SET (no ADDITEMS: only ever empty)
-}
-_ARG_BYTES = {ord("K"): 1, ord("h"): 1, ord("q"): 1, ord("M"): 2, ord("J"): 4, ord("j"): 4, ord("r"): 4, ord("G"): 8}
+_PUSH: list[str | None] = [None] * 256
+for _op in b"N\x88\x89KMJGU\x8aX":
+    _PUSH[_op] = _PLAIN
+_PUSH[ord(")")], _PUSH[ord("]")], _PUSH[ord("}")] = _TUPLE, _LIST, _DICT
+_PUSH[0x8F] = _SET  # EMPTY_SET (no ADDITEMS: only ever empty)
+_SIZE = [0] * 256  # the bytes of a fixed-size argument
+for _code, _size in ((b"K", 1), (b"h", 1), (b"q", 1), (b"M", 2), (b"J", 4), (b"j", 4), (b"r", 4), (b"G", 8)):
+    _SIZE[_code[0]] = _size
 _TUPLE_N = {0x85: 1, 0x86: 2, 0x87: 3}
+
+
+def _name(op: int) -> str:
+    return f"opcode {chr(op)!r}" if 32 < op < 127 else f"opcode {op:#04x}"
 
 
 def scan(data: bytes) -> None:
@@ -70,106 +74,98 @@ def scan(data: bytes) -> None:
     stack: list[str] = []
     marks: list[int] = []
     memo: list[str] = []
-
-    def pop(count: int) -> list[str]:
-        fence = marks[-1] if marks else 0
-        if count < 0 or len(stack) - count < fence:
-            _refuse("a pop across a MARK or from an empty stack")
-        popped = stack[len(stack) - count :]
-        del stack[len(stack) - count :]
-        return popped
-
-    def to_mark() -> list[str]:
-        if not marks:
-            _refuse("no MARK to pop to")
-        popped = stack[marks[-1] :]
-        del stack[marks.pop() :]
-        return popped
-
-    def top(*kinds: str) -> None:
-        fence = marks[-1] if marks else 0
-        if len(stack) <= fence or stack[-1] not in kinds:
-            _refuse(f"{op_name} on {stack[-1] if len(stack) > fence else 'nothing'}")
-
+    fence = 0  # where the newest MARK is: nothing pops below it
+    push, size_of, push_of = stack.append, _SIZE, _PUSH
     i = 2
     while i < n:
         op = data[i]
-        op_name = f"opcode {chr(op)!r}" if 32 < op < 127 else f"opcode {op:#04x}"
         i += 1
-        if op in _PUSH:
-            stack.append(_PUSH[op])
-            size = _ARG_BYTES.get(op, 0)
-            if op == 0x55 or op == 0x8A:  # SHORT_BINSTRING, LONG1: a one-byte length
-                size = 1 + (data[i] if i < n else 0)
-            elif op == 0x58:  # BINUNICODE: a four-byte length
-                size = 4 + int.from_bytes(data[i : i + 4], "little")
-            i += size
-        elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
-            size = _ARG_BYTES[op]
-            index = int.from_bytes(data[i : i + size], "little")
-            i += size
-            if index >= len(memo):
-                _refuse("a memo index read before it is written")
-            stack.append(memo[index])
-        elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
-            size = _ARG_BYTES[op]
-            index = int.from_bytes(data[i : i + size], "little")
-            i += size
-            if index > len(memo):
-                _refuse("a memo index out of order")
-            (kind,) = pop(1)
-            stack.append(kind)
-            if index == len(memo):
-                memo.append(kind)
+        kind = push_of[op]
+        if kind is not None:  # a value: skip its argument
+            push(kind)
+            if op == 0x58:  # BINUNICODE: a four-byte length
+                i += 4 + int.from_bytes(data[i : i + 4], "little")
+            elif op == 0x55 or op == 0x8A:  # SHORT_BINSTRING, LONG1: a one-byte length
+                i += 1 + (data[i] if i < n else 0)
             else:
-                memo[index] = kind
-        elif op == 0x28:  # MARK
+                i += size_of[op]
+            continue
+        if op == 0x71 or op == 0x72 or op == 0x68 or op == 0x6A:  # BINPUT, LONG_BINPUT, BINGET, LONG_BINGET
+            size = size_of[op]
+            index = int.from_bytes(data[i : i + size], "little")
+            i += size
+            if op >= 0x71:
+                if index > len(memo):
+                    _refuse("a memo index out of order")
+                if len(stack) <= fence:
+                    _refuse(f"{_name(op)} on nothing")
+                if index == len(memo):
+                    memo.append(stack[-1])
+                else:
+                    memo[index] = stack[-1]
+            elif index < len(memo):
+                push(memo[index])
+            else:
+                _refuse("a memo index read before it is written")
+            continue
+        if op == 0x28:  # MARK
             marks.append(len(stack))
-        elif op == 0x74:  # TUPLE
-            to_mark()
-            stack.append(_TUPLE)
-        elif op in _TUPLE_N:
-            pop(_TUPLE_N[op])
-            stack.append(_TUPLE)
+            fence = len(stack)
+            continue
+        if op == 0x74 or op == 0x75 or op == 0x65:  # TUPLE, SETITEMS, APPENDS: pop to the MARK
+            if not marks:
+                _refuse(f"{_name(op)} without a MARK")
+            start = marks.pop()
+            count = len(stack) - start
+            del stack[start:]
+            fence = marks[-1] if marks else 0
+            if op == 0x74:
+                push(_TUPLE)
+                continue
+            if op == 0x75 and count % 2:
+                _refuse("SETITEMS with a key and no value")
+            target: tuple[str, ...] = (_DICT, _ORDERED) if op == 0x75 else (_LIST,)
         elif op == 0x63:  # GLOBAL: module and name, each ended by a newline
             j = data.find(b"\n", i)
             k = data.find(b"\n", j + 1) if j >= 0 else -1
             if k < 0:
                 _refuse("a GLOBAL without its two lines")
             ordered = data[i:j] == b"collections" and data[j + 1 : k] == b"OrderedDict"
-            stack.append(_ORDERED_GLOBAL if ordered else _GLOBAL)
+            push(_ORDERED_GLOBAL if ordered else _GLOBAL)
             i = k + 1
-        elif op == 0x52:  # REDUCE
-            func, args = pop(2)
-            if func not in (_GLOBAL, _ORDERED_GLOBAL) or args != _TUPLE:
-                _refuse(f"REDUCE of {func} with {args}")
-            stack.append(_ORDERED if func == _ORDERED_GLOBAL else _CALL)
-        elif op == 0x51:  # BINPERSID
-            if pop(1) != [_TUPLE]:
-                _refuse("a persistent id that is not a tuple")
-            stack.append(_PERSISTENT)
-        elif op == 0x73:  # SETITEM
-            pop(2)
-            top(_DICT, _ORDERED)
-        elif op == 0x75:  # SETITEMS
-            if len(to_mark()) % 2:
-                _refuse("SETITEMS with a key and no value")
-            top(_DICT, _ORDERED)
-        elif op == 0x61:  # APPEND
-            pop(1)
-            top(_LIST)
-        elif op == 0x65:  # APPENDS
-            to_mark()
-            top(_LIST)
-        elif op == 0x62:  # BUILD
-            (state,) = pop(1)
-            top(_ORDERED)
-            if state != _DICT:
-                _refuse(f"BUILD on an OrderedDict() call with {state}")
+            continue
         elif op == 0x2E:  # STOP
             if marks or len(stack) != 1:
                 _refuse("STOP with other than one object on the stack")
             return
-        else:
-            _refuse(op_name)
+        else:  # pops a fixed number, then pushes, or applies to what is below
+            count = _POPS.get(op, -1)
+            if count < 0:
+                _refuse(_name(op))
+            if len(stack) - count < fence:
+                _refuse(f"{_name(op)}: a pop across a MARK or from an empty stack")
+            popped = stack[len(stack) - count :]
+            del stack[len(stack) - count :]
+            if op in _TUPLE_N:
+                push(_TUPLE)
+                continue
+            if op == 0x52:  # REDUCE
+                func, args = popped
+                if func not in (_GLOBAL, _ORDERED_GLOBAL) or args != _TUPLE:
+                    _refuse(f"REDUCE of {func} with {args}")
+                push(_ORDERED if func == _ORDERED_GLOBAL else _CALL)
+                continue
+            if op == 0x51:  # BINPERSID
+                if popped != [_TUPLE]:
+                    _refuse("a persistent id that is not a tuple")
+                push(_PERSISTENT)
+                continue
+            target = {0x73: (_DICT, _ORDERED), 0x61: (_LIST,), 0x62: (_ORDERED,)}[op]  # SETITEM, APPEND, BUILD
+        if len(stack) <= fence or stack[-1] not in target:
+            _refuse(f"{_name(op)} on {stack[-1] if len(stack) > fence else 'nothing'}")
+        if op == 0x62 and popped != [_DICT]:  # BUILD: an OrderedDict's __dict__, from a dict
+            _refuse(f"BUILD on an OrderedDict() call with {popped[0]}")
     _refuse("no STOP")
+
+
+_POPS = {0x85: 1, 0x86: 2, 0x87: 3, 0x52: 2, 0x51: 1, 0x73: 2, 0x61: 1, 0x62: 1}
