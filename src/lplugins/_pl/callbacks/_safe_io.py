@@ -13,7 +13,8 @@ either way). Files of what ``torch.save`` writes for plain tensors and data are 
 :func:`~lplugins.callbacks._mapped_build.fast_mapped_load` (C ``pickle`` into inert records, then an
 allow-list), the same objects about four times faster; any other file goes through torch's own
 weights-only unpickler. The state Lightning copies into the model is released after the restore; the optimizer
-state torch keeps as loaded (same dtype and device) stays on the mapping until the optimizer writes it.
+state torch keeps as loaded (same dtype and device) stays on the mapping, its private copies made in the
+background (:mod:`~lplugins.callbacks._prefault`) before the first step writes it page by page.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from lplugins.callbacks._mapped_build import fast_mapped_load
+from lplugins.callbacks._prefault import prefault_writes
 from lplugins.callbacks._refusals import unsafe_error
 
 __all__ = ["SafeResumeIO", "can_map", "load_weights_only", "mapped_load", "warn_not_weights_only"]
@@ -87,6 +89,12 @@ def mapped_load(path: str, map_location: Any = None) -> dict[str, Any]:
     return loaded
 
 
+def _prefault_optimizer(loaded: Any) -> None:
+    """The optimizer state is written by the first step: its private copies made now, in the background."""
+    if isinstance(loaded, dict):
+        prefault_writes(loaded.get("optimizer_states"))
+
+
 def warn_not_weights_only(path: str) -> None:
     """Rank zero: one warning that ``path`` is loaded without torch's weights-only guard, as asked."""
     from pytorch_lightning.utilities import rank_zero_warn
@@ -129,12 +137,17 @@ class SafeResumeIO(CheckpointIO):
     ) -> dict[str, Any]:
         trusted = weights_only is False
 
+        mapped = []
+
         def attempt(target: str) -> dict[str, Any]:
             if trusted:
                 warn_not_weights_only(target)
             elif self.resolver.mapping and can_map(self.inner):  # a committed local file, its CRC32 checked
-                return mapped_load(target, map_location)
+                mapped.append(mapped_load(target, map_location))
+                return mapped[-1]
             return load_weights_only(self.inner, target, map_location, weights_only=not trusted)
 
         result: dict[str, Any] = self.resolver.load(path, attempt)
+        if mapped and result is mapped[-1]:  # after the check: its CRC32 thread has the other core until then
+            _prefault_optimizer(result)
         return result
