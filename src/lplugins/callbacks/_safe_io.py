@@ -10,7 +10,7 @@ fsynced, renamed into place atomically and committed by its marker afterwards; n
 writing again (retention deletes it, the quarantine renames it; a mapping keeps the bytes it mapped
 either way). Files of what ``torch.save`` writes for plain tensors and data are built by
 :func:`~lplugins.callbacks._mapped_build.fast_mapped_load` (C ``pickle`` into inert records, then an
-allow-list), the same objects about four times faster; any other file goes through torch's own
+allow-list), the same objects in less than half the time; any other file goes through torch's own
 weights-only unpickler. The state Lightning copies into the model is released after the restore; the optimizer
 state torch keeps as loaded (same dtype and device) stays on the mapping, its private copies made in the
 background (:mod:`~lplugins.callbacks._prefault`) before the first step writes it page by page.
