@@ -243,8 +243,15 @@ class _Builder:
         tensor = torch.empty((0,), dtype=dtype).set_(untyped, offset, size, stride)  # set_ checks the bounds
         if requires_grad:
             tensor.requires_grad = True
-        tensor._backward_hooks = self.build(hooks)
+        tensor._backward_hooks = self._empty_ordered_dict(hooks)
         return tensor
+
+    def _empty_ordered_dict(self, node: Call) -> OrderedDict[Any, Any]:
+        """What ``build`` makes of a record :func:`_no_hooks` accepted (an ``OrderedDict()``), without its detour."""
+        out = self._built.get(id(node))
+        if out is None:
+            out = self._built[id(node)] = OrderedDict()
+        return out
 
     def _parameter(self, data: Any, requires_grad: Any, hooks: Any) -> Any:
         import torch
@@ -254,7 +261,7 @@ class _Builder:
             raise Refused("a parameter's data or requires_grad")
         _no_hooks(hooks)
         param = torch.nn.Parameter(tensor, requires_grad)
-        param._backward_hooks = self.build(hooks)
+        param._backward_hooks = self._empty_ordered_dict(hooks)
         return param
 
 
