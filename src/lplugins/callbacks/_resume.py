@@ -215,19 +215,22 @@ class LatestResolver:
     def _verified(self, storage: Storage, record: Record | None, path: str, attempt: Callable[[str], Any]) -> Any:
         if record is None:  # not a committed checkpoint of this directory: nothing to verify against
             return self._attempt(path, attempt)
-        problem = storage.check(record)  # sizes, archive directory
+        full = needs_full_checkpoint(self.trainer, record)
+        overlapped = can_verify(record) and not (full or self.deep or self._unpickles or not storage.parallel_reads)
+        # sizes, and the archive directory unless the whole file's CRC32 is checked while it loads
+        problem = storage.check(record, archive=not (overlapped and record.crc32 is not None))
         if problem is not None:
             raise DamagedCheckpointError(f"{path}: {problem}")
         check_resume(self.trainer, record, path)  # a strategy change its layout cannot follow: refused
         rank, world = self.trainer.global_rank, max(1, self.trainer.world_size)
         check = functools.partial(bytes_problem, storage, record, rank, world)
-        if needs_full_checkpoint(self.trainer, record):  # converted from verified bytes only
+        if full:  # converted from verified bytes only
             if can_verify(record) and (problem := check()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
             result = self._attempt(portable_path(self.trainer, record, path), attempt)
         elif not can_verify(record):
             result = self._attempt(path, attempt)
-        elif self.deep or self._unpickles or not storage.parallel_reads:  # before loading (remote: one at a time)
+        elif not overlapped:  # before loading: deep, a full unpickle, or remote (one read at a time)
             if (problem := check()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
             result = self._attempt(path, attempt, mapping=storage.parallel_reads and record.kind != "dir")

@@ -313,12 +313,14 @@ class Storage(ABC):
         self.remove(name + CONVERTED_SUFFIX)  # its conversions (another world size, another strategy) go with it
         self.fsync_dir()
 
-    def check(self, record: Record, deep: bool = False) -> str | None:
+    def check(self, record: Record, deep: bool = False, archive: bool = True) -> str | None:
         """Why the data of ``record`` does not match its marker, or ``None`` when it does.
 
         Args:
             record: The commit record.
             deep: Also read every byte of a file checkpoint and check its CRC32 (or its zip CRCs).
+            archive: Also parse a file checkpoint's zip directory (``False`` where its CRC32 is checked
+                anyway: matching bytes are the committed, readable archive).
         """
         name = record.name
         if not self.exists(name):
@@ -351,7 +353,7 @@ class Storage(ABC):
             except OSError as err:
                 return f"unreadable: {err}"
             return None if crc == record.crc32 else f"CRC32 {crc:#010x} != committed {record.crc32:#010x}"
-        return self.archive_problem(record, deep)
+        return self.archive_problem(record, deep) if archive or deep else None
 
     def markers(self) -> Iterator[tuple[Record | None, str, str | None]]:
         """Every commit marker in the directory: ``(record, marker name, problem)``.
