@@ -346,3 +346,51 @@ def test_the_inert_reader_keeps_what_opcodes_set_on_a_call_as_records() -> None:
     pickle.dump(ordered, stream, protocol=2)
     with pytest.raises(Refused, match=r"collections\.OrderedDict"):
         read_inert(stream.getvalue(), frozenset())
+
+
+def test_one_list_given_to_many_calls_costs_its_size_once_not_per_call(tmp_path: Path) -> None:
+    # a memoized list of 2000 items, given to set() 500 times: copies would hold a million references
+    data = b"\x80\x02](cbuiltins\nset\nq\x00]q\x01(" + b"N" * 2000 + b"e\x85R" + b"h\x00h\x01\x85R" * 499 + b"e."
+    path = zip_with_pickle(tmp_path, data)
+    fast, torchs = both(path)
+    same(fast, torchs)
+    assert len(fast) == 500 and fast[0] == {None}
+    from lplugins.callbacks._inert_pickle import Call, ListPrefix
+
+    tree = read_inert(data, frozenset({("builtins", "set")}))
+    given = [call.args[0] for call in tree if type(call) is Call]
+    assert all(type(g) is ListPrefix and g.items is given[0].items and g.length == 2000 for g in given)
+
+
+def test_nesting_deeper_than_the_builder_goes_is_left_to_torch(tmp_path: Path) -> None:
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # as a program may: the builder's own bound must hold, not the interpreter's
+    try:
+        deep = b"\x80\x02" + b"]" * 500 + b"a" * 499 + b"."
+        path = zip_with_pickle(tmp_path, deep)
+        assert fast_mapped_load(str(path)) is None
+    finally:
+        sys.setrecursionlimit(limit)
+    loaded = mapped_load(str(path))
+    for _ in range(499):
+        (loaded,) = loaded
+    assert loaded == []
+
+
+def test_torch_load_settings_the_fast_path_does_not_follow_send_the_file_to_torch(tmp_path: Path) -> None:
+    import mmap
+
+    from torch.utils.serialization import config
+
+    path = saved(tmp_path, {"w": torch.ones(2)})
+    assert fast_mapped_load(str(path)) is not None
+    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
+    try:
+        assert fast_mapped_load(str(path)) is None  # torch maps it shared: writes reach the file
+    finally:
+        torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE)
+    with config.patch({"load.calculate_storage_offsets": True}):
+        assert fast_mapped_load(str(path)) is None  # torch computes the offsets from the zip headers
+    assert fast_mapped_load(str(path)) is not None

@@ -25,7 +25,7 @@ from typing import Any
 
 from lplugins.callbacks._pickle_scan import Refused, scan
 
-__all__ = ["NO_STATE", "Call", "Global", "Persistent", "Refused", "read_inert", "scan"]
+__all__ = ["NO_STATE", "Call", "Global", "ListPrefix", "Persistent", "Refused", "read_inert", "scan"]
 
 NO_STATE: Any = object()
 """What :attr:`Call.state` holds when no ``BUILD`` applied to the call."""
@@ -42,10 +42,23 @@ class Global:
 
     def __call__(self, *args: Any) -> Call:
         # a list argument as it is now: ``set(list)`` reads it at the call, a later APPEND must not show
-        return Call(self, tuple(list(a) if type(a) is list else a for a in args))
+        return Call(self, tuple(ListPrefix(a, len(a)) if type(a) is list else a for a in args))
 
     def __setstate__(self, state: Any) -> None:
         raise Refused(f"BUILD on the global {self.module}.{self.name}")
+
+
+class ListPrefix:
+    """A list given to a call: the list and how many items it held then (a list only grows while it is parsed).
+
+    Not a copy: one list given to many calls would cost the product of their sizes.
+    """
+
+    __slots__ = ("items", "length")
+
+    def __init__(self, items: list[Any], length: int) -> None:
+        self.items = items
+        self.length = length
 
 
 class Call:

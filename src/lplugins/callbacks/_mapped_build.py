@@ -21,18 +21,20 @@ what torch would refuse, and what it accepts comes out as torch would build it.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import sys
 from collections import OrderedDict
 from typing import Any
 
-from lplugins.callbacks._inert_pickle import NO_STATE, Call, Global, Persistent, Refused, read_inert
+from lplugins.callbacks._inert_pickle import NO_STATE, Call, Global, ListPrefix, Persistent, Refused, read_inert
 
 __all__ = ["fast_mapped_load"]
 
 log = logging.getLogger(__name__)
 
 _PLAIN = frozenset({str, int, float, bool, type(None), bytes})
+_MAX_DEPTH = 100  # a Lightning checkpoint nests about 8 deep; deeper files load through torch's own unpickler
 
 
 def _tables() -> tuple[dict[str, Any], dict[str, Any], frozenset[tuple[str, str]]]:
@@ -75,6 +77,8 @@ def fast_mapped_load(path: str) -> Any | None:
         return None
     if torch._guards.detect_fake_mode(None) is not None or torch.serialization._serialization_tls.skip_data:
         return None  # torch builds fake or empty storages there
+    if torch.serialization.get_default_mmap_options() != mmap.MAP_PRIVATE or _storage_offsets_from_headers():
+        return None  # a shared mapping, or offsets torch computes from the zip headers: torch's own load decides
     if _TABLES is None:
         _TABLES = _tables()
     storages, dtypes, allowed = _TABLES
@@ -94,6 +98,15 @@ def fast_mapped_load(path: str) -> Any | None:
     except Exception as why:  # Refused, or torch's complaint (not a zip, a missing record, out of bounds)
         log.debug("lplugins: %s loads through torch's weights-only unpickler (%s: %s)", path, type(why).__name__, why)
         return None
+
+
+def _storage_offsets_from_headers() -> bool:
+    """Whether torch is set to compute storage offsets from the zip headers (then it, not this path, loads)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover -- a torch without the setting
+        return False
+    return bool(config.load.calculate_storage_offsets)
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
@@ -126,6 +139,7 @@ class _Builder:
         self._built: dict[int, Any] = {}  # id(record or container) -> what it became
         self._building: set[int] = set()  # tuples and calls under construction (a cycle through one: refused)
         self._storages: dict[str, tuple[Any, Any]] = {}  # key -> (untyped storage, dtype)
+        self._depth = 0
 
     def build(self, node: Any) -> Any:
         kind = type(node)
@@ -136,6 +150,16 @@ class _Builder:
             return self._built[key]
         if key in self._building:
             raise Refused("a reference cycle through a tuple or a call")
+        # recursion: bounded here, not by the interpreter's limit (raised high, C frames could overflow the stack)
+        self._depth += 1
+        try:
+            if self._depth > _MAX_DEPTH:
+                raise Refused(f"objects nested more than {_MAX_DEPTH} deep")
+            return self._new(node, kind, key)
+        finally:
+            self._depth -= 1
+
+    def _new(self, node: Any, kind: type, key: int) -> Any:
         if kind is list:
             out: Any = []
             self._built[key] = out
@@ -180,13 +204,14 @@ class _Builder:
             return self._tensor(*node.args) if len(node.args) == 6 else _refuse_args(node)
         if name == "_rebuild_parameter":
             return self._parameter(*node.args) if len(node.args) == 3 else _refuse_args(node)
+        if name == "set" and len(node.args) == 1 and type(node.args[0]) is ListPrefix:
+            given = node.args[0]
+            return set(self.build(given.items)[: given.length])  # the items it held at the call
         args = [v if type(v) in _PLAIN else self.build(v) for v in node.args]
         import torch
 
         if name == "encode" and len(args) == 2 and type(args[0]) is str and args[1] in ("latin1", "latin-1"):
             return args[0].encode("latin1")
-        if name == "set" and len(args) == 1 and type(args[0]) is list:
-            return set(args[0])
         if name == "Size" and len(args) == 1:
             return torch.Size(_ints(args[0], "torch.Size"))
         if name == "device" and len(args) in (1, 2) and type(args[0]) is str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import sys
 import threading
 from typing import Any
@@ -23,7 +24,7 @@ __all__ = ["prefault_writes", "wait_for_prefaults"]
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 _pending: list[threading.Thread] = []
 _supported = sys.platform.startswith("linux")
 
@@ -63,9 +64,10 @@ def prefault_writes(tree: Any) -> None:
             aligned = start - start % _PAGE
             if madvise(aligned, start + storage.nbytes() - aligned, _MADV_POPULATE_WRITE) != 0:
                 errno = ctypes.get_errno()
-                log.debug("lplugins: no MADV_POPULATE_WRITE here (errno %d); pages fault in when written", errno)
-                _supported = errno != 22  # EINVAL: the kernel lacks it; anything else: this range only
-                return
+                log.debug("lplugins: MADV_POPULATE_WRITE failed (errno %d); those pages fault in when written", errno)
+                if errno == 22:  # EINVAL: the kernel lacks it
+                    _supported = False
+                    return
 
     thread = threading.Thread(target=populate, name="lplugins-prefault", daemon=True)
     _pending[:] = [t for t in _pending if t.is_alive()]
