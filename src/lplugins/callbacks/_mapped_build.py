@@ -13,7 +13,8 @@ use it, each tensor a view of the file's mapped pages (``MAP_PRIVATE``, as ``tor
 
 Anything outside that list (another global, a ``BUILD`` or ``SETITEM`` on anything but an
 ``OrderedDict``, a tensor with hooks or metadata, quantized or sparse storage, a legacy or TorchScript
-file, a big-endian file) makes it return ``None``, and the caller loads the file through torch's own
+file, a big-endian file, objects nested more than 100 deep, torch set to map files shared or to compute
+storage offsets from the zip headers) makes it return ``None``, and the caller loads the file through torch's own
 weights-only unpickler, which then accepts or refuses it by its own rules. So this path never accepts
 what torch would refuse, and what it accepts comes out as torch would build it.
 """
