@@ -41,20 +41,24 @@ def bench_import() -> dict[str, float]:
         import lplugins; t2 = time.perf_counter()
         lplugins.load(); t3 = time.perf_counter()
         import sys
-        print(t1 - t0, t2 - t1, t3 - t2, 'deepspeed' in sys.modules)
+        heavy = [m for m in ('deepspeed', 'ray', 'torchft', 'pytorch_lightning') if m in sys.modules]
+        print(t1 - t0, t2 - t1, t3 - t2, ','.join(heavy) or '-')
         """
     )
-    lightning, extra, load = [], [], []
+    lightning, extra, load, both = [], [], [], []
     for _ in range(REPEATS):
-        a, b, c, ds = _run(code).split()
-        assert ds == "False", "lplugins imported deepspeed"
+        a, b, c, heavy = _run(code).split()
+        assert heavy == "-", f"import lplugins + load() imported {heavy}"
         lightning.append(float(a))
         extra.append(float(b))
         load.append(float(c))
+        both.append(float(b) + float(c))
     return {
         "import_lightning_ms": 1000 * statistics.median(lightning),
         "import_lplugins_extra_ms": 1000 * statistics.median(extra),
         "load_builtins_ms": 1000 * statistics.median(load),
+        "import_and_load_extra_ms": 1000 * statistics.median(both),
+        "import_and_load_extra_ratio": statistics.median(both) / statistics.median(lightning),
     }
 
 

@@ -209,7 +209,7 @@ LAYERS = (
     ("hookspecs",),
     ("_plugins",),
     ("_composition",),
-    ("ray", "lightning_cli", "testing"),
+    ("ray", "lightning_cli", "testing", "_fork"),
     ("lplugins", "__main__", "cli", "_cli", "_builtins"),
 )
 

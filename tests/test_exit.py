@@ -59,7 +59,8 @@ trainer.fit(M(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
 assert torch.distributed.is_initialized()  # Lightning leaves it initialized
 trainer.strategy.barrier()
 """
-    run_together(script, tmp_path, timeout=150).check()
+    # fresh interpreters: forked warm, lplugins' handler would be registered before the script's (server import)
+    run_together(script, tmp_path, timeout=150, start="together").check()
     deadline = time.monotonic() + 60  # rank 1 is Lightning's child process: it may finish after rank 0
     while not (tmp_path / "exit1.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)

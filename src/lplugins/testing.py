@@ -11,6 +11,11 @@ Fixtures:
 * ``fake_entry_points`` -- ``fake({"name": plugin_or_"module:attr"}, distribution=..., version=...)``
   makes plugins look installed under the ``lplugins`` entry-point group, by patching
   ``importlib.metadata.distributions`` (where lplugins, like pluggy, looks them up).
+* ``lplugins_launch`` -- ``launch(script, ranks=2, args=(), env=None, timeout=120)`` runs a script as
+  ``ranks`` real processes (gloo on a free localhost port, ``LOCAL_RANK`` set as torchrun sets it), each
+  forked from a server that has already imported torch, Lightning and lplugins, and returns their exit
+  codes and output (``.check()``, ``.stdout``, ``.json_objects()``). About 8 CPU-seconds less per rank
+  than a fresh interpreter; processes, files, signals and exits stay real. See docs/testing-a-plugin.md.
 
 Example::
 
@@ -25,14 +30,16 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import sys
+import textwrap
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
+    from lplugins._fork.ranks import Ranks
     from lplugins._plugins.manager import PluginInfo, PluginManager
 
 _counter = itertools.count()
@@ -132,3 +139,31 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeDist
         return dist
 
     return fake
+
+
+@pytest.fixture
+def lplugins_launch(tmp_path: Path) -> Callable[..., Ranks]:
+    """``launch(script, ranks=2, *, args=(), env=None, cwd=None, timeout=120)``: run a multi-rank job, warm.
+
+    ``script`` is a path, or the source of one (written to ``tmp_path/job.py``). Every rank runs in
+    ``cwd`` (default ``tmp_path``) with ``env`` (default: this process's), forked from this test session's
+    warm server (started on first use, closed when pytest exits). A rank 0 that has not ended within
+    ``timeout`` seconds is killed with every other rank, and the test fails with their output.
+    """
+    from lplugins._fork.ranks import run_ranks
+
+    def launch(
+        script: str | Path,
+        ranks: int = 2,
+        *,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        timeout: float = 120.0,
+    ) -> Ranks:
+        path = Path(script) if isinstance(script, Path) or "\n" not in script else tmp_path / "job.py"
+        if not isinstance(script, Path) and "\n" in script:
+            path.write_text(textwrap.dedent(script))
+        return run_ranks(path, ranks=ranks, args=args, cwd=cwd or tmp_path, env=env, timeout=timeout)
+
+    return launch

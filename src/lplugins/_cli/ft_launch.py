@@ -7,25 +7,25 @@ host with its own ``first_replica``). Each replica group is one process running 
 
 A group that exits with a non-zero status (or a signal) is started again with the same id, up to
 ``max_restarts`` times in all, until the first group finishes cleanly. For a ``python script.py ...``
-command the groups are forked from a *fork server* (:mod:`lplugins._cli.ft_zygote`) that imported
-torch, Lightning, torchft and lplugins once, before any group trained: a restarted group starts with
-no import, and nothing is imported while the others train.
+command the groups are forked from a *fork server* (:mod:`lplugins._fork`) that imported torch,
+Lightning, torchft and lplugins (and loaded the plugins) once, before any group trained: a restarted
+group starts with no import, and nothing is imported while the others train (a fork is copy-on-write:
+the groups share the imported modules' memory until they write to it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from lplugins._fork.client import Forked, ForkServer, ForkServerError
 from lplugins.strategies import _ft_env
 from lplugins.strategies._ft_env import FTConfigError
 
@@ -77,126 +77,25 @@ class ReplicaEvent:
     returncode: int | None = None
 
 
-class _Forked:
-    """A replica group forked by the fork server: the part of :class:`subprocess.Popen` the launcher uses."""
-
-    def __init__(self, pid: int, server: _ForkServer) -> None:
-        self.pid = pid
-        self._server = server
-
-    @property
-    def returncode(self) -> int | None:
-        return self._server.exits.get(self.pid)
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._server.changed:
-            while self.pid not in self._server.exits:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise subprocess.TimeoutExpired(f"replica group pid {self.pid}", timeout or 0.0)
-                if not self._server.changed.wait(0.1 if left is None else min(left, 0.1)) and not self._server.alive():
-                    self._server.exits.setdefault(self.pid, -signal.SIGKILL)  # the server died: so did it
-        return self._server.exits[self.pid]
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-class _ForkServer:
-    """The launcher's end of :mod:`lplugins._cli.ft_zygote`: start it, ask it to fork a group, hear of exits."""
-
-    def __init__(self, python: str, env: Mapping[str, str], log: IO[bytes] | None) -> None:
-        commands_r, self._commands = os.pipe()
-        self._events, events_w = os.pipe()
-        self.process = subprocess.Popen(
-            [python, "-m", "lplugins._cli.ft_zygote", str(commands_r), str(events_w)],
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            pass_fds=(commands_r, events_w),
-        )
-        os.close(commands_r)
-        os.close(events_w)
-        self.changed = threading.Condition()
-        self.exits: dict[int, int] = {}
-        self.ready: float | None = None
-        self._started: list[int] = []
-        self._reader = threading.Thread(target=self._read, name="lplugins-ft-forkserver", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        with os.fdopen(self._events, "rb") as events:
-            for line in events:
-                message = json.loads(line)
-                with self.changed:
-                    if "ready" in message:
-                        self.ready = float(message["ready"])
-                    elif "started" in message:
-                        self._started.append(int(message["started"]))
-                    elif "exit" in message:
-                        self.exits[int(message["exit"])] = int(message["returncode"])
-                    self.changed.notify_all()
-        with self.changed:
-            self.changed.notify_all()
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def wait_ready(self, timeout: float) -> bool:
-        """Whether the server has imported everything (``False``: it died, or not within ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while self.ready is None and self.alive() and time.monotonic() < deadline:
-                self.changed.wait(0.1)
-        return self.ready is not None and self.alive()
-
-    def fork(self, replica: int, argv: Sequence[str], log: Path | None, timeout: float = 10.0) -> _Forked | None:
-        """A new replica group running ``argv`` (``script.py args``); ``None`` when the server cannot."""
-        if self.ready is None or not self.alive():
-            return None
-        request = {"replica": replica, "argv": list(argv), "log": None if log is None else str(log)}
-        with self.changed:
-            before = len(self._started)
-            try:
-                os.write(self._commands, (json.dumps(request) + "\n").encode())
-            except OSError:
-                return None
-            deadline = time.monotonic() + timeout
-            while len(self._started) == before and self.alive() and time.monotonic() < deadline:
-                self.changed.wait(0.05)
-            if len(self._started) == before:
-                return None
-            return _Forked(self._started[before], self)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Close its requests (it sends SIGTERM to the groups still running, then exits); kill it if it does not."""
-        try:
-            os.close(self._commands)
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+#: What the fork server imports before any group starts (what a ``ft_ddp`` training script and its set-up use).
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "torch.utils.data",
+    "lightning.pytorch",
+    "lightning.pytorch.loggers",
+    "torchft",
+    "torchft.checkpointing.http_transport",
+    "lplugins",
+    "lplugins.strategies.ft",
+    "lplugins.callbacks",
+)
 
 
 @dataclass
 class _Slot:
     replica: int
-    process: subprocess.Popen[bytes] | _Forked | None = None
+    process: subprocess.Popen[bytes] | Forked | None = None
     done: bool = False
     returncode: int | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
@@ -285,8 +184,7 @@ class Launcher:
         self.restarts = 0
         self._server: Any = None
         self._slots = [_Slot(first_replica + i) for i in range(replicas)]
-        self._forks: _ForkServer | None = None
-        self._forks_log: IO[bytes] | None = None
+        self._forks: ForkServer | None = None
         self._runs: dict[int, int] = {}
 
     # ----------------------------------------------------------------------------------- starting
@@ -303,10 +201,15 @@ class Launcher:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.forking:
-            self._forks_log = self._output("forkserver")
-            self._forks = _ForkServer(self.command[0], self._environment(), self._forks_log)
-            if not self._forks.wait_ready(timeout=300):
-                print("lplugins ft: the fork server did not start; each group imports on its own", file=sys.stderr)
+            log = None if self.log_dir is None else self.log_dir / "forkserver.log"
+            self._forks = ForkServer(
+                WARM_MODULES, python=self.command[0], env=self._environment(), load=True, log=log, inherit=log is None
+            )
+            try:
+                self._forks.wait_ready(timeout=300)
+            except ForkServerError as error:
+                print(f"lplugins ft: each group imports on its own: {error}", file=sys.stderr)
+                self._forks = None
         for slot in self._slots:
             self._launch(slot)
         return self.lighthouse
@@ -335,7 +238,12 @@ class Launcher:
         forked = None
         if self._forks is not None:
             path = None if self.log_dir is None else self.log_dir / f"{name}.log"
-            forked = self._forks.fork(slot.replica, self.command[1:], path)
+            try:
+                forked = self._forks.fork(
+                    self.command[1:], env_update={_ft_env.REPLICA_ID_VAR: str(slot.replica)}, stdout=path, stderr=path
+                )
+            except ForkServerError:
+                forked = None
         if forked is not None:
             slot.process, slot.log = forked, None
             self.events.append(ReplicaEvent(time.time(), slot.replica, "start", forked.pid))
@@ -399,9 +307,6 @@ class Launcher:
             if slot.log is not None:
                 slot.log.close()
                 slot.log = None
-        if self._forks_log is not None:
-            self._forks_log.close()
-            self._forks_log = None
         if self._server is not None:
             self._server.shutdown()
             self._server = None

@@ -277,18 +277,27 @@ def _attach(trainer: Trainer, callbacks: Sequence[Any], manager: PluginManager |
 
 
 def _arm_watchdog(trainer: Any) -> None:
-    """Arm the collective watchdog for a Trainer of more than one process (``LPLUGINS_COLLECTIVE_TIMEOUT``,
-    ``LPLUGINS_HEARTBEAT_TIMEOUT``; stack files under the Trainer's ``default_root_dir``).
+    """Give a Trainer of more than one process the collective watchdog (``LPLUGINS_COLLECTIVE_TIMEOUT``,
+    ``LPLUGINS_HEARTBEAT_TIMEOUT``; stack files under the Trainer's ``default_root_dir``): the settings are
+    checked now, the thread runs from each run's ``setup`` to its ``teardown`` (:class:`CollectiveWatch`).
 
     Raises:
         LPluginsError: a setting is not a number of seconds > 0, ``auto`` or ``off`` (the message names it).
     """
+    from lplugins._composition.watch import CollectiveWatch
     from lplugins._coord import settings as _settings
     from lplugins._coord import watchdog as _watchdog
 
     chosen = _settings.from_env()
-    if getattr(trainer, "world_size", 1) > 1 or chosen.collective == 0:
-        _watchdog.arm(chosen.collective, heartbeat=chosen.heartbeat, log_dir=getattr(trainer, "default_root_dir", None))
+    if chosen.collective == 0:
+        _watchdog.arm(0)  # off: stops one a previous run left armed
+        return
+    callbacks = getattr(trainer, "callbacks", None)
+    if getattr(trainer, "world_size", 1) > 1 and isinstance(callbacks, list):
+        if not any(isinstance(cb, CollectiveWatch) for cb in callbacks):
+            callbacks.append(
+                CollectiveWatch(chosen.collective, chosen.heartbeat, getattr(trainer, "default_root_dir", None))
+            )
 
 
 def _understand_ckpt_path(trainer: Any) -> None:

@@ -10,8 +10,11 @@ reporting (a failing plugin is named; in lenient mode it is skipped with a warni
 Lightning's (one raising factory aborts ``Trainer()`` with a bare traceback). Without the variable,
 the factory returns nothing and costs nothing.
 
-In every ``Trainer()`` for more than one process it also arms the collective watchdog
-(:mod:`lplugins._coord.watchdog`; ``LPLUGINS_COLLECTIVE_TIMEOUT=off`` turns it off), whatever the variable.
+In every ``Trainer()`` for more than one process it also gives the Trainer the collective watchdog
+(:mod:`lplugins._coord.watchdog`; ``LPLUGINS_COLLECTIVE_TIMEOUT=off`` turns it off), whatever the variable:
+its settings are checked in ``Trainer()``, its thread runs only while a run does
+(:mod:`lplugins._composition.watch`). Nothing else happens to a Trainer of a process that did not ask for
+lplugins (no ``lplugins.load()``, ``compose``, ``attach`` or zero-code mode): no thread, no patch, no output.
 
 Strategy names cannot be added from here (Lightning checks them before this entry point runs):
 call :func:`lplugins.load` before building the Trainer for those.
@@ -24,7 +27,7 @@ from typing import Any
 from lplugins import _lightning
 from lplugins._env import AUTO_CALLBACKS, env_flag
 from lplugins._lightning import namespace as _namespace
-from lplugins._plugins.manager import get_manager
+from lplugins._plugins.manager import get_manager, loaded_manager
 
 #: Set to 1 to enable zero-code mode.
 ENV_VAR = AUTO_CALLBACKS
@@ -33,16 +36,18 @@ ENV_VAR = AUTO_CALLBACKS
 def callbacks_factory() -> list[Any]:
     """Return the callbacks that plugins contribute, or ``[]`` unless zero-code mode is on.
 
-    In every ``Trainer()`` (zero-code mode or not) it also teaches the Trainer lplugins' reading of
-    ``fit(ckpt_path=...)``: ``"latest"`` without a ``DurableCheckpoint`` is a clear error naming the
+    In a process that loaded lplugins (or in zero-code mode) it also teaches the Trainer lplugins' reading
+    of ``fit(ckpt_path=...)``: ``"latest"`` without a ``DurableCheckpoint`` is a clear error naming the
     fix instead of Lightning's ``FileNotFoundError`` (see :func:`lplugins.callbacks.latest_checkpoint`).
     """
     with _namespace.using(_namespace.of_module(__name__)):
         trainer = _lightning.trainer_being_built()
+        asked = env_flag(ENV_VAR) or loaded_manager() is not None
         if trainer is not None:
             from lplugins._composition.compose import _arm_watchdog, _understand_ckpt_path
 
-            _understand_ckpt_path(trainer)
+            if asked:
+                _understand_ckpt_path(trainer)
             _arm_watchdog(trainer)
         if not env_flag(ENV_VAR):
             return []

@@ -1,8 +1,10 @@
 """The collective watchdog: a rank that fails, dies, hangs or waits in a collective the others do not call is named.
 
-One daemon thread per process (started by :func:`arm`, which every ``Trainer()`` reaches through
-lplugins' ``callbacks_factory`` entry point) waits for a multi-process default group to exist and
-then, every ``interval`` (0.5 s for the default 5 s bound):
+One daemon thread per process, started by :func:`arm` when a multi-process run begins (the
+``CollectiveWatch`` callback that ``Trainer()`` gets through lplugins' ``callbacks_factory`` entry point,
+``compose`` or ``attach``: never while a Trainer is only built) and stopped and joined by :func:`pause`
+when the run ends, waits for a multi-process default group to exist and then, every ``interval``
+(0.5 s for the default 5 s bound):
 
 * samples the main thread's Python stack (``sys._current_frames()``; nothing is wrapped, so a
   training step costs nothing extra) and classifies it (:func:`lplugins._coord.stacks.classify`):
@@ -21,8 +23,8 @@ The other faults (a rank failed, ended, holds the GIL, stalls fetching data, end
 collectives than another) are verdicts of :mod:`lplugins._coord.faults`. The bounds adapt to the
 step time (:mod:`lplugins._coord.settings`).
 
-May import: the logger, the board, ``faults``, ``mismatch``, ``procs``, ``settings``, ``stacks``; torch inside
-functions.
+May import: the logger, the board, ``_excepthook``, ``faults``, ``mismatch``, ``procs``, ``settings``,
+``stacks``; torch inside functions.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import atexit
 import faulthandler
 import gc
 import json
-import logging
 import os
 import sys
 import threading
@@ -41,8 +42,8 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
 
+from lplugins._coord import _excepthook, faults, mismatch, procs
 from lplugins._coord import board as _board_module
-from lplugins._coord import faults, mismatch, procs
 from lplugins._coord.board import DEFAULT_TIMEOUT, Board, add_note, current_board
 from lplugins._coord.settings import COLLECTIVE_VAR, DEFAULT_COLLECTIVE_S, DEFAULT_HEARTBEAT_S, STACKS_VAR, Adaptive
 from lplugins._coord.stacks import Where, classify, in_batch_loop, thread_cpu_seconds
@@ -50,7 +51,7 @@ from lplugins._log import announce, log
 
 __all__ = [
     "DEFAULT_TIMEOUT", "EXIT_STATUS", "TIMEOUT_VAR", "arm", "bound", "disarm", "finish", "note_peer_failures",
-    "stacks_dir",
+    "pause", "stacks_dir",
 ]  # fmt: skip
 
 #: The environment variable for the collective bound's floor (seconds, ``auto`` or ``off``; see ``settings``).
@@ -64,6 +65,8 @@ _bound: float = DEFAULT_COLLECTIVE_S
 _log_dir: str | None = None
 _lock = threading.Lock()
 _thread: _Watchdog | None = None
+#: The thread :func:`pause` stopped: its board and stack file serve :func:`finish` and the exception hook later.
+_parked: _Watchdog | None = None
 _announced = False
 
 
@@ -321,42 +324,9 @@ def _default_group() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-_hook_installed = False
-
-
-class _NoteFilter(logging.Filter):
-    """On torch's c10d logger, which a failing collective logs to inside its ``except``: note what we know."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = sys.exc_info()[1]
-        if error is not None:
-            note_peer_failures(error)
-        return True
-
-
 def _install_excepthook() -> None:
-    """Attach what the watchdog knows to the error it causes: at the failing collective, and at top level.
-
-    Installed only once there is something to say (a mismatch, a peer's failure): no cost before.
-    """
-    global _hook_installed
-    if _hook_installed:
-        return
-    _hook_installed = True
-    try:  # torch's collectives log their error through this logger, in their `except` block
-        from torch.distributed import c10d_logger
-
-        c10d_logger._c10d_logger.addFilter(_NoteFilter())
-    except (ImportError, AttributeError):  # another torch: the excepthook below still prints it
-        pass
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        note_peer_failures(value)
-        previous(kind, value, tb)
-        _post_fatal(value, tb)
-
-    sys.excepthook = hook
+    """Attach what the watchdog knows to the error it causes, at the failing collective and at top level."""
+    _excepthook.install(note_peer_failures, _post_fatal)
 
 
 def _diagnose(thread: _Watchdog, board: Board, err: BaseException) -> None:
@@ -368,7 +338,7 @@ def _diagnose(thread: _Watchdog, board: Board, err: BaseException) -> None:
 
 def _post_fatal(err: BaseException, tb: Any) -> None:
     """This process ends with an uncaught exception: tell the other ranks (which, what, where), write its stack."""
-    thread, board = _thread, _board_module._board
+    thread, board = _thread or _parked, _board_module._board
     if thread is None or board is None or board.dead or thread.verdict is not None or thread.report is not None:
         return  # a verdict (or a mismatch) already is the story
     if any(r.get("kind") == "verdict" for r in board.failures.values()):
@@ -394,9 +364,12 @@ def arm(
         heartbeat: The floor of ``heartbeat_timeout`` (a main thread holding the GIL this long ends its rank).
         log_dir: Where the stack files go (``<log_dir>/lplugins-stacks``; ``LPLUGINS_STACKS_DIR`` wins).
     """
-    global _bound, _thread, _log_dir
+    global _bound, _thread, _log_dir, _parked
     with _lock:
         _bound = timeout
+        if _parked is not None:  # a new run: the last one's end is over
+            _close_stack_file(_parked)
+            _parked = None
         if log_dir is not None:
             _log_dir = log_dir
         if timeout <= 0:
@@ -428,7 +401,7 @@ def _at_exit() -> None:
     """:func:`finish` at this process's end; a process that ends for a fault already named skips the last
     garbage collection of the interpreter's finalization (``gc.freeze``), which walks every object torch and
     Lightning made and took seconds on a loaded machine (6 s seen), when every rank should end at once."""
-    thread = _thread
+    thread = _thread or _parked
     faulted = thread is not None and (thread.verdict is not None or thread.report is not None)
     finish()
     if faulted:
@@ -439,7 +412,7 @@ def finish() -> None:
     """This rank's work is over (at its process's end, or where a process ends without ``atexit``, such as a Ray
     worker, after its training function returned): say so on the board, fail if another rank still waits for a
     collective of ours, and stop watching (a clean end removes this rank's stack file)."""
-    thread = _thread
+    thread = _thread or _parked
     if (
         thread is not None
         and thread.board is not None
@@ -467,12 +440,35 @@ def finish() -> None:
 
 def disarm() -> None:
     """Stop the watchdog thread (at exit, before the process group goes)."""
-    global _thread
+    global _thread, _parked
     with _lock:
         thread, _thread = _thread, None
+        parked, _parked = _parked, None
         _board_module.configure(_bound, watched=False)
     if thread is not None:
         thread.stopped.set()
         if thread is not threading.current_thread():
             thread.join(timeout=2)
         _close_stack_file(thread)
+    if parked is not None and parked is not thread:
+        _close_stack_file(parked)
+
+
+def pause() -> None:
+    """A run is over (its teardown, or an exception on its way out): stop and join the thread now.
+
+    What :func:`finish` (at this process's end: is another rank still waiting for us?) and the exception hook
+    (tell the other ranks why this one ends) need is kept: the board and the stack file, not the thread. A
+    thread that has judged a fault keeps running: it is what stops this rank, and the process is ending.
+    """
+    global _thread, _parked
+    with _lock:
+        thread = _thread
+        if thread is None or thread.verdict is not None or thread.report is not None:
+            return
+        _thread, _parked = None, thread
+        _board_module.configure(_bound, watched=False)
+    thread.stopped.set()
+    if thread is not threading.current_thread():
+        thread.join(timeout=2)
+    faulthandler.cancel_dump_traceback_later()

@@ -477,6 +477,11 @@ def load(
     return manager
 
 
+def loaded_manager() -> PluginManager | None:
+    """The process-wide manager if this process has loaded it (``lplugins.load()``, ``compose``...), else ``None``."""
+    return _default if _default is not None and _default.loaded else None
+
+
 def get_manager() -> PluginManager:
     """The process-wide manager, loading it first if needed."""
     return load()

@@ -29,6 +29,9 @@ functions only (importing it imports none of them).
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lplugins._pl._lightning.accumulation import (
     is_last_batch_of_epoch,
     logging_step,
@@ -36,20 +39,6 @@ from lplugins._pl._lightning.accumulation import (
     reset_deepspeed_accumulation_boundary,
     set_progress_bar_values,
     setup_train_data,
-)
-from lplugins._pl._lightning.loading import (
-    DCP_METADATA_TYPES,
-    DEEPSPEED_SAFE_TYPES,
-    load_weights_only,
-    running_weights_only,
-    unsafe_checkpoint_error,
-    weights_only_file,
-)
-from lplugins._pl._lightning.portable import (
-    LayoutError,
-    load_full_into_deepspeed,
-    restore_loss_scale,
-    torch_loss_scale,
 )
 from lplugins._pl._lightning.registry import (
     CHECKED_VERSIONS,
@@ -90,6 +79,47 @@ from lplugins._pl._lightning.trainer import (
     wrap_process_dataloader,
     wrap_strategy_load,
 )
+
+if TYPE_CHECKING:
+    from lplugins._pl._lightning.loading import (
+        DCP_METADATA_TYPES,
+        DEEPSPEED_SAFE_TYPES,
+        load_weights_only,
+        running_weights_only,
+        unsafe_checkpoint_error,
+        weights_only_file,
+    )
+    from lplugins._pl._lightning.portable import (
+        LayoutError,
+        load_full_into_deepspeed,
+        restore_loss_scale,
+        torch_loss_scale,
+    )
+
+#: Names imported on first use: the checkpoint formats' modules are needed by a resume, not by ``load()``.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "DCP_METADATA_TYPES",
+            "DEEPSPEED_SAFE_TYPES",
+            "load_weights_only",
+            "running_weights_only",
+            "unsafe_checkpoint_error",
+            "weights_only_file",
+        ),
+        "loading",
+    ),
+    **dict.fromkeys(("LayoutError", "load_full_into_deepspeed", "restore_loss_scale", "torch_loss_scale"), "portable"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CHECKED_VERSIONS",

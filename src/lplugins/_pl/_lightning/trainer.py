@@ -9,7 +9,6 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from lplugins._pl._lightning.loading import load_weights_only
 from lplugins._pl._lightning.registry import _private
 
 if TYPE_CHECKING:
@@ -115,6 +114,8 @@ def wrap_strategy_load(strategy: Any, wrap: Callable[[Callable[..., Any]], Calla
     original = strategy.load_checkpoint
 
     def weights_only_load(checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        from lplugins._pl._lightning.loading import load_weights_only
+
         return load_weights_only(strategy, original, checkpoint_path, weights_only)
 
     wrapped = wrap(weights_only_load)

@@ -1,0 +1,221 @@
+"""The fork server's process: import the heavy modules once, then fork each requested process from them.
+
+``python -m lplugins._fork.server CMD_FD EVENT_FD [--load] MODULE...`` imports the modules (a missing
+one is skipped: the script imports what it needs and says what is missing), runs ``lplugins.load()``
+with ``--load``, checks that forking is safe, says ``{"ready": seconds, "pid": pid}`` on ``EVENT_FD``
+(or ``{"refused": [reasons]}`` and exits 3), then reads one JSON request a line from ``CMD_FD``::
+
+    {"id": any, "argv": ["job.py", ...], "env": {...} or null, "env_update": {...}, "cwd": path or null,
+     "stdout": path or null, "stderr": path or null, "new_session": false}
+
+For each it forks a child that becomes ``python job.py ...`` run in ``cwd`` with ``env`` (the server's
+own, updated by ``env_update``, when ``env`` is null), its output appended to the files, and answers
+``{"started": pid, "id": id}``; the child says ``{"running": pid}`` just before the script's first line
+runs. When a child ends the server says ``{"exit": pid, "returncode": code}`` (``-N``: killed by signal N,
+as :class:`subprocess.Popen` reports it). When ``CMD_FD`` closes (the client is gone) it sends SIGTERM to
+the children still running, SIGKILL after :data:`GRACE_S`, and exits once they have.
+
+Forking is safe only from a process with one thread and no process group: a lock held by another
+thread stays held in the child for ever, and a child cannot use its parent's gloo or NCCL connections.
+The server therefore refuses to serve when an import started a Python thread, added a native thread
+beyond the idle one ``import torch`` itself starts, or initialised ``torch.distributed``. It never
+computes (an OpenMP pool used before a fork hangs the child's first parallel region).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import random
+import runpy
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+#: Seconds between the SIGTERM sent to the children left when the client has gone and a SIGKILL.
+GRACE_S = 10.0
+
+
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: only Python's own count is known
+        return threading.active_count()
+
+
+def warm(modules: Sequence[str], load: bool = False) -> tuple[float, list[str]]:
+    """Import ``modules`` (and ``lplugins.load()`` with ``load``): the seconds taken and why forking is unsafe."""
+    began = time.monotonic()
+    baseline = _native_threads()
+    if "torch" in modules:  # torch starts one idle native thread at import unless OMP_NUM_THREADS=1
+        try:
+            importlib.import_module("torch")
+        except ImportError:
+            pass
+        baseline = _native_threads()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if load:  # lplugins itself, as a module named on the command line (this module sits below it)
+        importlib.import_module("lplugins").load()
+    return time.monotonic() - began, fork_hazards(baseline)
+
+
+def fork_hazards(native_baseline: int) -> list[str]:
+    """Why a fork of this process would hang or corrupt its child (empty: it is safe)."""
+    found = []
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        found.append(f"Python threads are running: {', '.join(sorted(others))}")
+    native = _native_threads()
+    if not others and native > native_baseline:
+        found.append(f"{native - native_baseline} native thread(s) beyond torch's own were started at import")
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        found.append("a torch.distributed process group is initialised")
+    return found
+
+
+def _send(events: int, message: dict[str, Any]) -> None:
+    os.write(events, (json.dumps(message) + "\n").encode())
+
+
+def _streams(env: dict[str, str]) -> None:
+    """Fresh ``sys.stdout``/``sys.stderr`` over fds 1 and 2, buffered as a new interpreter's would be."""
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    out = open(1, "wb", buffering=0 if unbuffered else -1, closefd=False)
+    sys.stdout = io.TextIOWrapper(out, encoding="utf-8", errors="strict", write_through=unbuffered)
+    err = open(2, "wb", buffering=0, closefd=False)
+    sys.stderr = io.TextIOWrapper(err, encoding="utf-8", errors="backslashreplace", write_through=True)
+
+
+def _redirect(fd: int, path: str | None) -> None:
+    if path is None:
+        return
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _child(request: dict[str, Any], commands: int, events: int) -> None:
+    """In the forked child: become ``python script.py args``; never returns (exits through ``sys.exit``)."""
+    os.close(commands)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        if request.get("new_session"):
+            os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        _redirect(1, request.get("stdout"))
+        _redirect(2, request.get("stderr"))
+        env = request.get("env")
+        env = dict(os.environ) if env is None else {str(k): str(v) for k, v in env.items()}
+        env.update({str(k): str(v) for k, v in (request.get("env_update") or {}).items()})
+        os.environ.clear()
+        os.environ.update(env)
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        _streams(env)
+        argv = [str(arg) for arg in request["argv"]]
+        sys.argv = argv
+        # as `python script.py` builds it: the script's folder first, then PYTHONPATH's entries
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path[1:]]
+        sys.path[0:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+        random.seed()  # the generators were seeded once, in the server: not shared by the children
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        threads = env.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(threads))
+        _send(events, {"running": os.getpid()})
+        os.close(events)
+    except BaseException as error:  # the set-up failed: say so where the output goes, exit as a shell would
+        print(f"lplugins fork server: cannot start {request.get('argv')!r}: {error!r}", file=sys.stderr, flush=True)
+        os._exit(127)
+    code: Any = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+    except BaseException as error:  # reported as `python script.py` would (from its own frames), then exit 1
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != argv[0]:
+            tb = tb.tb_next
+        traceback.print_exception(type(error), error, tb or error.__traceback__)
+        code = 1
+    sys.exit(code)  # a normal interpreter exit: the script's atexit handlers run, buffers are flushed
+
+
+def _signal_all(children: set[int], sig: int) -> None:
+    for pid in children:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def serve(commands: int, events: int, modules: Sequence[str], load: bool = False) -> None:
+    """Warm up, then fork a process per request and report the children's exits, until ``commands`` closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the client's terminal: the client closes us
+    took, hazards = warm(modules, load)
+    if hazards:
+        _send(events, {"refused": hazards, "pid": os.getpid()})
+        sys.exit(3)
+    _send(events, {"ready": round(took, 3), "pid": os.getpid()})
+    children: set[int] = set()
+    pending = b""
+    closed_at: float | None = None
+    while closed_at is None or children:
+        readable = select.select([commands] if closed_at is None else [], [], [], 0.02)[0]
+        if readable:
+            chunk = os.read(commands, 65536)
+            if not chunk:  # the client is gone: do not leave its processes behind
+                closed_at = time.monotonic()
+                _signal_all(children, signal.SIGTERM)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, commands, events)
+                children.add(pid)
+                _send(events, {"started": pid, "id": request.get("id")})
+        if closed_at is not None and time.monotonic() - closed_at > GRACE_S:
+            _signal_all(children, signal.SIGKILL)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            _send(events, {"exit": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lplugins._fork.server CMD_FD EVENT_FD [--load] MODULE...`` (started by the client)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands, events = int(args[0]), int(args[1])
+    load = "--load" in args[2:]
+    serve(commands, events, [a for a in args[2:] if a != "--load"], load=load)
+
+
+if __name__ == "__main__":
+    main()
