@@ -79,7 +79,7 @@ def test_exit_codes_signals_and_tracebacks_are_those_of_python_script_py(
     if how == "raise":
         # the traceback starts at the script, as a fresh interpreter's would: no frame of the fork server
         assert "RuntimeError: boom from the script" in ranks.stderr
-        assert 'job.py", line 9, in <module>' in ranks.stderr
+        assert 'job.py", line 10, in <module>' in ranks.stderr
         assert "_fork" not in ranks.stderr and "runpy" not in ranks.stderr
     else:
         assert ranks.stderr == ""

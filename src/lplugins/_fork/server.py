@@ -153,7 +153,7 @@ def _child(request: dict[str, Any], commands: int, events: int) -> None:
         tb = error.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != argv[0]:
             tb = tb.tb_next
-        traceback.print_exception(type(error), error, tb or error.__traceback__)
+        traceback.print_exception(type(error), error, tb)  # None: a SyntaxError, as Python prints it
         code = 1
     sys.exit(code)  # a normal interpreter exit: the script's atexit handlers run, buffers are flushed
 
