@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._dist import ROOT, run_script, run_together
+from tests._dist import ROOT, run_together
 from tests.test_accumulation import make_data, reference_sgd, sequential_windows
 
 pytestmark = [pytest.mark.distributed]
@@ -128,8 +128,8 @@ with open(f"phase{phase}_{trainer.global_rank}.json", "w") as f:
 
 @pytest.mark.timeout(300)
 def test_constant_global_batch_is_kept_when_world_size_grows_on_resume(tmp_path: Path) -> None:
-    run_script(WORLD_SIZE_CHANGE, tmp_path, timeout=120, args=["1"]).check()
-    phase2 = run_script(WORLD_SIZE_CHANGE, tmp_path, timeout=170, args=["2"]).check()
+    run_together(WORLD_SIZE_CHANGE, tmp_path, timeout=120, args=["1"], ranks=1).check()
+    phase2 = run_together(WORLD_SIZE_CHANGE, tmp_path, timeout=170, args=["2"]).check()
     one = json.loads((tmp_path / "phase1_0.json").read_text())
     assert one["factors"] == [4] * 4  # 1 process x micro-batch 2 x 4 = 8
     assert one["state"]["world_size"] == 1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import run_script
+from tests._dist import run_script, run_together
 
 pytestmark = pytest.mark.distributed
 
@@ -156,7 +156,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(180)
 def test_lightning_calls_in_guard_raise_under_ddp(tmp_path: Path) -> None:
-    res = run_script(LIGHTNING_JOB, tmp_path, timeout=150, args=["caught"]).check()
+    res = run_together(LIGHTNING_JOB, tmp_path, timeout=150, args=["caught"]).check()
     assert "DONE rank=0" in res.stdout and "DONE rank=1" in res.stdout
     refused = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[7:])
     expected = {
@@ -187,7 +187,7 @@ def test_uncaught_guard_error_ends_the_job(tmp_path: Path) -> None:
     """Uncaught, the error ends rank 0 with a clear message and the job does not hang: rank 1, waiting in
     DDP's gradient all-reduce, fails with gloo's "connection closed by peer" as soon as rank 0 is gone.
     ``run_script`` returns only once both processes closed their output, so both exited on their own."""
-    res = run_script(LIGHTNING_JOB, tmp_path, timeout=150, args=["uncaught"])
+    res = run_together(LIGHTNING_JOB, tmp_path, timeout=150, args=["uncaught"])
     assert res.returncode != 0
     assert "CollectiveInRankZeroBlockError: Trainer.save_checkpoint() was called inside a rank-zero block" in res.stderr
     assert "DONE" not in res.stdout

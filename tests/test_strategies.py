@@ -17,7 +17,7 @@ import lplugins
 from lplugins import UnknownNameError
 from lplugins._builtins.strategies import DEEPSPEED_STRATEGIES
 from lplugins.strategies.timeout import DEFAULT_PG_TIMEOUT, ENV_VAR, resolve_timeout
-from tests._dist import run_script
+from tests._dist import run_script, run_together
 
 BUILTIN_STRATEGIES = {*DEEPSPEED_STRATEGIES, "fsdp2", "ddp_timeout", "advised", "ft_ddp", "ft_hsdp"}
 
@@ -196,7 +196,7 @@ with open(f"seen{trainer.global_rank}.json", "w") as f:
     json.dump(model.seen, f)
 trainer.strategy.barrier()  # rank 0 must not exit (and end the job) before rank 1 has written
 """
-    run_script(script, tmp_path, timeout=120, env={ENV_VAR: "77"}).check()
+    run_together(script, tmp_path, timeout=120, env={ENV_VAR: "77"}).check()
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in (0, 1)]
     for item in seen:
         assert item["backend"] == "gloo"
