@@ -38,6 +38,9 @@ stand for them (``--classes op`` runs them anyway). Usage::
 
     python benchmarks/fault_matrix.py [--trials 3] [--classes exception,sigkill,...] [--ranks 2] [--strategy ddp]
 
+Each rank is forked from a warm server that imported torch, Lightning and lplugins once (``lplugins._fork``;
+``--fresh``: a new interpreter per rank, as before).
+
 Prints a table (one row per class) and ends with ONE line of JSON (units in the key names).
 """
 
@@ -208,6 +211,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The fork server every rank is forked from (``None``: ``--fresh``, each rank a new interpreter).
+_WARM: Any = None
+WARM_MODULES = ("torch", "torch.distributed", "torch.utils.data", "lightning.pytorch", "lplugins", "lplugins.callbacks")
+
+
 def trial(
     kind: str, ranks: int, cap: float, bound: float, env_extra: dict[str, str], strategy: str = "ddp"
 ) -> dict[str, Any]:
@@ -217,16 +225,22 @@ def trial(
     env.update({"NODE_RANK": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_extra})
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".venv" / "torch_extensions"))
     logs = [root / f"rank{r}.log" for r in range(ranks)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--job", kind, "--root", str(root), "--strategy", strategy],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=open(logs[r], "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    argv = [__file__, "--job", kind, "--root", str(root), "--strategy", strategy]
+    procs: list[Any] = []
+    for r in range(ranks):
+        rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+        if _WARM is not None:  # forked from the warm server: no import per rank (lplugins._fork)
+            procs.append(_WARM.fork(argv, env=rank_env, stdout=logs[r], stderr=logs[r], new_session=True))
+            continue
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                env=rank_env,
+                stdout=open(logs[r], "w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         )
-        for r in range(ranks)
-    ]
     ended: list[float | None] = [None] * ranks
     start = time.time()
     fault_file = root / "fault.json"
@@ -316,6 +330,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep each trial's directory (logs, stack dumps)")
     parser.add_argument("--keep-failed", action="store_true", help="keep the directory of each trial that failed")
     parser.add_argument("--verbose", action="store_true", help="print each trial's per-rank result")
+    parser.add_argument(
+        "--fresh", action="store_true", help="start each rank as a new interpreter (default: forked warm)"
+    )
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -327,6 +344,12 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown classes {unknown}; choose from {', '.join(CLASSES)}")
     env_extra = dict(item.split("=", 1) for item in args.env)
+    global _WARM
+    if not args.fresh:
+        from lplugins._fork.client import ForkServer
+
+        _WARM = ForkServer(WARM_MODULES, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _WARM.wait_ready(180)
     rows: dict[str, dict[str, Any]] = {}
     print(f"{'class':<11} {'pass':>6} {'worst s':>8} {'median s':>8} {'exits':<22} {'named r/op/#/site':<18} dumps")
     for kind in kinds:

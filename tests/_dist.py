@@ -174,6 +174,40 @@ def run_together(source: str, tmp_path: Path, **kwargs: Any) -> Result:
     return run_script(source, tmp_path, start=kwargs.pop("start", TOGETHER_START), **kwargs)
 
 
+def run_launched(
+    source: str, tmp_path: Path, *, deadline: float, env: dict[str, str] | None = None, args: list[str] | None = None
+) -> dict[str, Any]:
+    """Two ranks as torchrun starts them (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``), forked warm, each given until
+    ``deadline`` seconds and killed then: what ``tests/test_watchdog.py``'s ``LAUNCH`` prefix did with two fresh
+    interpreters. Writes ``rank<r>.log`` (each rank's output) and returns ``{"codes": [...], "seconds": s}``
+    (``None``: killed at the deadline), also written to ``launch.json``.
+    """
+    from lplugins._fork.ranks import run_ranks
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(source))
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "LOCAL_RANK", "NODE_RANK"))}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    began = time.monotonic()
+    ranked = run_ranks(
+        script,
+        args=args or (),
+        cwd=tmp_path,
+        env=full_env,
+        timeout=deadline,
+        others_grace=deadline,
+        world_vars=True,
+        kill_at_timeout=True,
+    )
+    launch = {"codes": ranked.returncodes, "seconds": time.monotonic() - began}
+    for r, (out, err) in enumerate(ranked.outputs):
+        (tmp_path / f"rank{r}.log").write_text(out + err)
+    (tmp_path / "launch.json").write_text(json.dumps(launch))
+    return launch
+
+
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._dist import run_script
+from tests._dist import run_launched
 from tests.test_watchdog import LAUNCH
 
 FAILING_SAVE = (
@@ -69,8 +69,7 @@ finally:
 
 def _run(tmp_path: Path, strategy: str) -> list[dict]:
     env = {"LPLUGINS_PG_TIMEOUT": "600", "JOB_DEADLINE": "150"}
-    run_script(FAILING_SAVE, tmp_path, timeout=210, env=env, args=[strategy]).check()
-    launch = json.loads((tmp_path / "launch.json").read_text())
+    launch = run_launched(FAILING_SAVE, tmp_path, deadline=150, env=env, args=[strategy])
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
     assert None not in launch["codes"], f"the job hung: {launch}\n{logs[0][-3000:]}\n{logs[1][-3000:]}"
     outs = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]

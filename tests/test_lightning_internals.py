@@ -31,6 +31,15 @@ from packaging.version import Version
 from lplugins._lightning import CHECKED_VERSIONS, PRIVATES, Private
 from lplugins._lightning.registry import Kind
 
+
+def _declare_all(package: str) -> None:
+    """Import every area module of ``package`` (some are imported on first use): each declares its privates."""
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        importlib.import_module(f"{package}.{info.name}")
+
+
+_declare_all("lplugins._lightning")
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "lplugins"
 INTERNALS = SRC / "_lightning"  # the package: every private access lives there
@@ -150,6 +159,7 @@ def _twin_privates() -> list[Private]:
     on a ``pytorch_lightning.Trainer``). Empty when ``pytorch_lightning`` is not installed."""
     if importlib.util.find_spec("pytorch_lightning") is None:
         return []
+    _declare_all("lplugins._pl._lightning")
     twin = importlib.import_module("lplugins._pl._lightning")
     return [p for p in twin.PRIVATES if p.kind == "trainer" or p.where.split(".")[0] in TWIN_PACKAGES]
 

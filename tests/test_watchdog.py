@@ -19,30 +19,13 @@ from lplugins._coord import board, stacks
 from lplugins._coord import watchdog as _watchdog
 from lplugins._env import COLLECTIVE_TIMEOUT, env_seconds
 from lplugins._errors import LPluginsError
-from tests._dist import run_script, run_together
+from tests._dist import run_launched, run_together
 
-#: Starts two ranks as separate processes (as torchrun does: no launcher that kills the others), each
-#: logging to rankN.log; the job's own deadline keeps a hang from outliving the test.
+#: The prefix of the two-rank jobs below, run by ``tests._dist.run_launched``: two ranks forked warm with
+#: ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set (as torchrun does: no launcher that kills the others), each logging
+#: to rankN.log, each killed at the job's deadline so that a hang cannot outlive the test.
 LAUNCH = r"""
 import json, os, subprocess, sys, time
-if "LOCAL_RANK" not in os.environ:
-    start = time.time()
-    procs = [
-        subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], stdout=open(f"rank{r}.log", "w"),
-                         stderr=subprocess.STDOUT,
-                         env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "NODE_RANK": "0"})
-        for r in range(2)
-    ]
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, start + float(os.environ["JOB_DEADLINE"]) - time.time())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for p in procs:
-        p.kill()
-    json.dump({"codes": codes, "seconds": time.time() - start}, open("launch.json", "w"))
-    sys.exit(0)
 """
 
 DEADLOCK = (
@@ -97,8 +80,7 @@ finally:
 
 def _run(tmp_path: Path, mode: str, deadline: float, timeout: str = "10") -> tuple[dict, list[str], list[dict | None]]:
     env = {COLLECTIVE_TIMEOUT: timeout, "JOB_DEADLINE": str(deadline)}
-    run_script(DEADLOCK, tmp_path, timeout=deadline + 60, env=env, args=[mode]).check()
-    launch = json.loads((tmp_path / "launch.json").read_text())
+    launch = run_launched(DEADLOCK, tmp_path, deadline=deadline, env=env, args=[mode])
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
     outs = [json.loads(p.read_text()) if (p := tmp_path / f"out{r}.json").exists() else None for r in range(2)]
     return launch, logs, outs
@@ -291,8 +273,7 @@ dist.destroy_process_group()
 def test_rank_zero_does_not_take_the_store_away_while_a_slower_rank_still_reads_the_agreement(tmp_path: Path) -> None:
     """The clean-run false failure of #24: rank 0 (the store's host) had every answer and left, and a
     slower rank 1 failed with 'could not reach the other ranks to agree' on a run with no fault."""
-    run_script(AGREE_THEN_LEAVE, tmp_path, timeout=100, env={"JOB_DEADLINE": "60"}).check()
-    launch = json.loads((tmp_path / "launch.json").read_text())
+    launch = run_launched(AGREE_THEN_LEAVE, tmp_path, deadline=60)
     outs = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]
     assert outs == [{"rank": 0, "failures": [], "ok": True}, {"rank": 1, "failures": [], "ok": True}], outs
     assert launch["codes"] == [0, 0]
@@ -325,8 +306,7 @@ def test_a_rank_killed_inside_an_agreement_is_missed_at_once_not_at_the_process_
     """The FSDP2 hang the kill fuzz found (#24): rank 1 killed inside the agreement that ends a save, before it
     answered, and rank 0 polled until the process-group timeout (30 min). A rank on this host whose process
     has ended is missing within about a second, watchdog or not."""
-    run_script(RANK_DIES_IN_AGREEMENT, tmp_path, timeout=100, env={"JOB_DEADLINE": "60"}).check()
-    launch = json.loads((tmp_path / "launch.json").read_text())
+    launch = run_launched(RANK_DIES_IN_AGREEMENT, tmp_path, deadline=60)
     out = json.loads((tmp_path / "out0.json").read_text())
     assert out["missing"] == [1], out
     assert launch["codes"][1] == -9

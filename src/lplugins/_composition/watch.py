@@ -37,4 +37,6 @@ class CollectiveWatch(Callback):
         _watchdog.pause()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        _watchdog.pause()  # what the exception hook posts for the other ranks is kept (watchdog.pause)
+        if trainer.world_size > 1:
+            _watchdog.fail(exception)  # the other ranks are told now, not when (or whether) it leaves the script
+        _watchdog.pause()

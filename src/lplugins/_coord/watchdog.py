@@ -51,7 +51,7 @@ from lplugins._log import announce, log
 
 __all__ = [
     "DEFAULT_TIMEOUT", "EXIT_STATUS", "TIMEOUT_VAR", "arm", "bound", "disarm", "finish", "note_peer_failures",
-    "pause", "stacks_dir",
+    "fail", "pause", "stacks_dir",
 ]  # fmt: skip
 
 #: The environment variable for the collective bound's floor (seconds, ``auto`` or ``off``; see ``settings``).
@@ -388,6 +388,10 @@ def arm(
             return
         _thread = _Watchdog(interval or min(1.0, timeout / 10), heartbeat)
         _thread.start()
+        try:  # the board now, not at the first sample: a failure in the first steps is posted all the same
+            current_board()
+        except Exception:  # torch.distributed unavailable: the thread finds out for itself
+            pass
     atexit.register(_at_exit)
 
 
@@ -454,6 +458,13 @@ def disarm() -> None:
         _close_stack_file(parked)
 
 
+def fail(err: BaseException) -> None:
+    """A run ends with ``err`` on this rank: tell the other ranks now (which, what, where), while the thread runs."""
+    if _board_module._board is None:  # it ended before the thread's first sample found the board
+        current_board()
+    _post_fatal(err, err.__traceback__)
+
+
 def pause() -> None:
     """A run is over (its teardown, or an exception on its way out): stop and join the thread now.
 
@@ -464,7 +475,7 @@ def pause() -> None:
     global _thread, _parked
     with _lock:
         thread = _thread
-        if thread is None or thread.verdict is not None or thread.report is not None:
+        if thread is None or thread.exit_at is not None or thread.report is not None:
             return
         _thread, _parked = None, thread
         _board_module.configure(_bound, watched=False)

@@ -145,7 +145,10 @@ class ForkServer:
                     elif "refused" in message:
                         self.refused = [str(r) for r in message["refused"]]
                     elif "started" in message:
-                        self._started[int(message["id"])] = int(message["started"])
+                        pid = int(message["started"])
+                        self.exits.pop(pid, None)  # a pid used again: what its last owner did is not this one's
+                        self._running.discard(pid)
+                        self._started[int(message["id"])] = pid
                     elif "running" in message:
                         self._running.add(int(message["running"]))
                     elif "exit" in message:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lplugins._fork.client import Forked, ForkServer
+from lplugins._fork.server import kill_marked
 
 #: What a ``lightning.pytorch`` script's ranks find imported.
 LIGHTNING_MODULES = (
@@ -47,6 +48,8 @@ PYTORCH_LIGHTNING_MODULES = (
     "pytorch_lightning",
     "lplugins",
 )
+#: The variable each rank of a job is started with (the job's mark): what the ranks start is found by it.
+JOB_VAR = "LPLUGINS_FORK_JOB"
 #: Seconds for a server to import everything before it is given up on.
 READY_TIMEOUT_S = 180.0
 
@@ -100,8 +103,12 @@ class Ranks:
 
     @property
     def returncode(self) -> int:
-        """Rank 0's exit code, or else the first other non-zero one (``0``: every rank succeeded)."""
-        codes = self.returncodes
+        """Rank 0's exit code, or else the first other non-zero one (``0``: every rank succeeded).
+
+        A rank still running when the job was stopped (``None``: killed after rank 0's end and the grace)
+        counts as killed: ``-9``.
+        """
+        codes = [-signal.SIGKILL if c is None else c for c in self.returncodes]
         return codes[0] or next((c for c in codes if c), 0) or 0
 
     @property
@@ -113,8 +120,12 @@ class Ranks:
         return "".join(err for _, err in self.outputs)
 
     def check(self) -> Ranks:
-        """``self``, or an :class:`AssertionError` with every rank's output when a rank failed."""
-        assert self.returncode == 0, f"exit {self.returncode}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+        """``self``, or an :class:`AssertionError` with every rank's output when a rank failed or never ended."""
+        hung = [r for r, c in enumerate(self.returncodes) if c is None]
+        why = f" (rank {hung[0]} was still running after rank 0 had ended: killed)" if hung else ""
+        assert self.returncode == 0, (
+            f"exit {self.returncode}{why}\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+        )
         return self
 
     def json_objects(self) -> list[dict[str, Any]]:
@@ -160,6 +171,8 @@ def run_ranks(
     others_grace: float = 20.0,
     start_timeout: float = 60.0,
     modules: Sequence[str] | None = None,
+    world_vars: bool = False,
+    kill_at_timeout: bool = False,
 ) -> Ranks:
     """Run ``python script *args`` as ``ranks`` processes forked from a warm server; wait for them.
 
@@ -176,6 +189,9 @@ def run_ranks(
             (then they are killed, and their code is ``None``).
         start_timeout: Seconds for a rank to reach the script's first line.
         modules: The warm modules (default: by the script's imports, :func:`modules_for`).
+        world_vars: Also set ``RANK`` and ``WORLD_SIZE``, as torchrun does.
+        kill_at_timeout: At ``timeout``, kill every rank and return (a rank killed has the code ``None``)
+            instead of raising: for a test whose job is expected to hang.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks={ranks!r} must be an int >= 1")
@@ -184,6 +200,7 @@ def run_ranks(
     base.setdefault("MASTER_ADDR", "127.0.0.1")
     base.setdefault("MASTER_PORT", str(free_port()))
     base.setdefault("PYTHONUNBUFFERED", "1")
+    job = base[JOB_VAR] = f"{os.getpid()}-{time.monotonic_ns()}"  # what the ranks start carries it: ended with them
     warm = server(modules if modules is not None else modules_for(path.read_text(errors="replace")))
     with tempfile.TemporaryDirectory(prefix="lplugins-ranks-") as logs:
         files = [(Path(logs, f"{r}.out"), Path(logs, f"{r}.err")) for r in range(ranks)]
@@ -191,6 +208,8 @@ def run_ranks(
         try:
             for rank, (out, err) in enumerate(files):
                 rank_env = {**base, "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+                if world_vars:
+                    rank_env.update(RANK=str(rank), WORLD_SIZE=str(ranks))
                 argv = [str(path), *map(str, args)]
                 procs.append(
                     warm.fork(
@@ -203,9 +222,10 @@ def run_ranks(
                         timeout=start_timeout,
                     )
                 )
-            codes = _wait(procs, files, path.name, timeout, others_grace)
+            codes = _wait(procs, files, path.name, timeout, others_grace, kill_at_timeout)
         finally:
             _kill(procs)
+            kill_marked(JOB_VAR, job)  # a process a rank started that left its session
         outputs = [(_read(out), _read(err)) for out, err in files]
     return Ranks(codes, outputs)
 
@@ -218,7 +238,12 @@ def _read(path: Path) -> str:
 
 
 def _wait(
-    procs: Sequence[Forked], files: Sequence[tuple[Path, Path]], name: str, timeout: float, others_grace: float
+    procs: Sequence[Forked],
+    files: Sequence[tuple[Path, Path]],
+    name: str,
+    timeout: float,
+    others_grace: float,
+    kill_at_timeout: bool,
 ) -> list[int | None]:
     deadline = time.monotonic() + timeout
     for i, proc in enumerate(procs):
@@ -227,7 +252,7 @@ def _wait(
             if i == 0:  # as under a launcher, rank 0's end ends the job: the others get a little longer
                 deadline = min(deadline, time.monotonic() + others_grace)
         except subprocess.TimeoutExpired:
-            if i > 0:
+            if i > 0 or kill_at_timeout:
                 break
             _kill(procs)
             out = "".join(_read(o) for o, _ in files)

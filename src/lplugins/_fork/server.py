@@ -24,23 +24,28 @@ computes (an OpenMP pool used before a fork hangs the child's first parallel reg
 
 from __future__ import annotations
 
+import atexit
+import builtins
 import importlib
+import importlib.machinery
 import io
 import json
 import os
 import random
-import runpy
 import select
 import signal
 import sys
 import threading
 import time
-import traceback
+import types
 from collections.abc import Sequence
 from typing import Any
 
 #: Seconds between the SIGTERM sent to the children left when the client has gone and a SIGKILL.
 GRACE_S = 10.0
+#: The variable every child is started with (this server's mark): what they start is found by it at the end.
+MARK_VAR = "LPLUGINS_FORK_SERVER"
+_mark = f"{os.getpid()}-{os.urandom(6).hex()}"
 
 
 def _native_threads() -> int:
@@ -54,7 +59,8 @@ def warm(modules: Sequence[str], load: bool = False) -> tuple[float, list[str]]:
     """Import ``modules`` (and ``lplugins.load()`` with ``load``): the seconds taken and why forking is unsafe."""
     began = time.monotonic()
     baseline = _native_threads()
-    if "torch" in modules:  # torch starts one idle native thread at import unless OMP_NUM_THREADS=1
+    heavy = ("torch", "lightning", "pytorch_lightning", "lplugins", "torchmetrics", "torchft", "deepspeed")
+    if any(m.split(".")[0] in heavy for m in modules):  # torch starts one idle native thread at import (OMP)
         try:
             importlib.import_module("torch")
         except ImportError:
@@ -86,7 +92,10 @@ def fork_hazards(native_baseline: int) -> list[str]:
 
 
 def _send(events: int, message: dict[str, Any]) -> None:
-    os.write(events, (json.dumps(message) + "\n").encode())
+    try:
+        os.write(events, (json.dumps(message) + "\n").encode())
+    except OSError:  # the client has gone (a broken pipe): its processes are ended all the same
+        pass
 
 
 def _streams(env: dict[str, str]) -> None:
@@ -96,6 +105,22 @@ def _streams(env: dict[str, str]) -> None:
     sys.stdout = io.TextIOWrapper(out, encoding="utf-8", errors="strict", write_through=unbuffered)
     err = open(2, "wb", buffering=0, closefd=False)
     sys.stderr = io.TextIOWrapper(err, encoding="utf-8", errors="backslashreplace", write_through=True)
+
+
+def _reseed() -> None:
+    """What a fresh interpreter draws at random is drawn again: not shared by the children of one server.
+
+    Python's and NumPy's generators, torch's CPU generator and ``multiprocessing``'s authentication key.
+    (``hash()`` of a ``str`` is fixed for the life of an interpreter: it stays the server's, whatever
+    ``PYTHONHASHSEED`` a child is given.)
+    """
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].default_generator.seed()
+    if "multiprocessing" in sys.modules:
+        sys.modules["multiprocessing"].current_process().authkey = os.urandom(32)
 
 
 def _redirect(fd: int, path: str | None) -> None:
@@ -123,6 +148,7 @@ def _child(request: dict[str, Any], commands: int, events: int) -> None:
         env = request.get("env")
         env = dict(os.environ) if env is None else {str(k): str(v) for k, v in env.items()}
         env.update({str(k): str(v) for k, v in (request.get("env_update") or {}).items()})
+        env[MARK_VAR] = _mark  # what this child starts carries it: ended with the server (kill_marked)
         os.environ.clear()
         os.environ.update(env)
         if request.get("cwd"):
@@ -133,9 +159,8 @@ def _child(request: dict[str, Any], commands: int, events: int) -> None:
         # as `python script.py` builds it: the script's folder first, then PYTHONPATH's entries
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path[1:]]
         sys.path[0:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
-        random.seed()  # the generators were seeded once, in the server: not shared by the children
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
+        sys.orig_argv = [sys.executable, *argv]
+        _reseed()
         threads = env.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(threads))
@@ -144,26 +169,81 @@ def _child(request: dict[str, Any], commands: int, events: int) -> None:
     except BaseException as error:  # the set-up failed: say so where the output goes, exit as a shell would
         print(f"lplugins fork server: cannot start {request.get('argv')!r}: {error!r}", file=sys.stderr, flush=True)
         os._exit(127)
-    code: Any = 0
-    try:
-        runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as done:
-        code = done.code
-    except BaseException as error:  # reported as `python script.py` would (from its own frames), then exit 1
-        tb = error.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != argv[0]:
-            tb = tb.tb_next
-        traceback.print_exception(type(error), error, tb)  # None: a SyntaxError, as Python prints it
-        code = 1
+    code = _run_main(argv)
+    if code is _INTERRUPTED:  # as Python ends on an uncaught KeyboardInterrupt: exit handlers, then SIGINT
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     sys.exit(code)  # a normal interpreter exit: the script's atexit handlers run, buffers are flushed
 
 
-def _signal_all(children: set[int], sig: int) -> None:
-    for pid in children:
+_INTERRUPTED = object()
+
+
+def _run_main(argv: list[str]) -> Any:
+    """Run ``argv[0]`` as ``__main__``, as ``python script.py`` does; its exit code (or :data:`_INTERRUPTED`)."""
+    path = os.path.abspath(argv[0])
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as err:
+        print(f"{sys.executable}: can't open file {path!r}: [Errno {err.errno}] {err.strerror}", file=sys.stderr)
+        return 2
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__spec__ = None
+    main.__dict__.update(__builtins__=builtins, __cached__=None)
+    sys.modules["__main__"] = main  # for good: a thread or an exit handler still pickles by __main__ after the end
+    try:
+        exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit as done:
+        return done.code
+    except BaseException as error:  # to sys.excepthook (the script's own, or lplugins' watchdog's) from its frames
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+            tb = tb.tb_next
+        sys.excepthook(type(error), error, tb)  # tb None: a SyntaxError, as Python prints it
+        return _INTERRUPTED if isinstance(error, KeyboardInterrupt) else 1
+    return 0
+
+
+def kill_marked(var: str, value: str) -> int:
+    """SIGKILL every process of this user that started with ``var=value`` in its environment; how many.
+
+    A process that left its session (``setsid``) and its parent still carries the environment it was started
+    with: that is how the processes a job started are found when their process groups are not enough.
+    """
+    needle = f"{var}={value}".encode()
+    killed = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # not Linux: process groups only
+        return 0
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
         try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                found = needle in f.read().split(b"\0")
+            if found:
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        except OSError:  # gone, or not ours
+            continue
+    return killed
+
+
+def _signal_all(children: set[int], sig: int) -> None:
+    """``sig`` to each child, and to its process group where it leads one (what it started, unless that left)."""
+    for pid in children:
+        for send in (os.killpg, os.kill):
+            try:
+                send(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def serve(commands: int, events: int, modules: Sequence[str], load: bool = False) -> None:
@@ -207,6 +287,7 @@ def serve(commands: int, events: int, modules: Sequence[str], load: bool = False
                 break
             children.discard(pid)
             _send(events, {"exit": pid, "returncode": os.waitstatus_to_exitcode(status)})
+    kill_marked(MARK_VAR, _mark)  # the client has gone: nothing its jobs started outlives the server
 
 
 def main(argv: Sequence[str] | None = None) -> None:

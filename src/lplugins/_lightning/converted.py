@@ -89,8 +89,30 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _links(top: str) -> list[str]:
+    """The symbolic links at or under ``top`` (a conversion holds none: one is never followed, read or written)."""
+    if os.path.islink(top):
+        return [top]
+    found = []
+    for root, dirs, names in os.walk(top):
+        found += [os.path.join(root, n) for n in (*dirs, *names) if os.path.islink(os.path.join(root, n))]
+    return found
+
+
+def _remove(path: str) -> None:
+    """Remove ``path``: a link itself (never what it points to), a directory with its files, or a file."""
+    if os.path.islink(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def _problem(target: str, manifest: str, source_print: str) -> str | None:
     """Why the conversion at ``target`` cannot be used, or ``None``: every byte checked against its manifest."""
+    if links := _links(manifest) + _links(target):
+        return f"it holds a symbolic link ({os.path.basename(links[0])}), which is never followed"
     try:
         with open(manifest) as f:
             committed = json.load(f)
@@ -130,19 +152,20 @@ def cached_conversion(source: str, kind: str, build: Callable[[str], object]) ->
     root = converted_dir(source)
     target, manifest = os.path.join(root, kind), os.path.join(root, f"{kind}.json")
     source_print = fingerprint(source)
-    problem = _problem(target, manifest, source_print) if os.path.exists(manifest) else None
-    if os.path.exists(manifest) and problem is None:
-        return target, "reused"
+    problem = None
+    if os.path.islink(root) or (os.path.lexists(root) and not os.path.isdir(root)):
+        problem = "its folder is a symbolic link or a file, which is never followed"
+        _remove(root)  # the link itself, inside the checkpoint directory: never what it points to
+    elif os.path.lexists(manifest):
+        problem = _problem(target, manifest, source_print)
+        if problem is None:
+            return target, "reused"
     for stale in (manifest, target):  # the manifest first: a conversion without one is never used
-        if os.path.isdir(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-        elif os.path.lexists(stale):
-            os.unlink(stale)
+        _remove(stale)
     os.makedirs(root, exist_ok=True)
     for name in os.listdir(root):  # a build cut short (the process ended): never used, removed now
         if name.startswith((f".tmp.{kind}.", f".tmp.{kind}.json.")):
-            stale = os.path.join(root, name)
-            shutil.rmtree(stale, ignore_errors=True) if os.path.isdir(stale) else os.unlink(stale)
+            _remove(os.path.join(root, name))
     tmp = os.path.join(root, f".tmp.{kind}.{uuid.uuid4().hex[:12]}")
     try:
         build(tmp)
@@ -163,10 +186,7 @@ def cached_conversion(source: str, kind: str, build: Callable[[str], object]) ->
         _fsync(root)
     except BaseException:
         for leftover in (tmp, target):
-            if os.path.isdir(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
-            elif os.path.lexists(leftover):
-                os.unlink(leftover)
+            _remove(leftover)
         raise
     return target, "made" + (f" (the one there was not used: {problem})" if problem else "")
 
@@ -174,8 +194,11 @@ def cached_conversion(source: str, kind: str, build: Callable[[str], object]) ->
 def committed(source: str, kind: str) -> bool:
     """Whether a conversion ``kind`` of ``source``'s present bytes is committed (its manifest names them; the bytes
     of the conversion itself are checked when it is used)."""
+    root = converted_dir(source)
+    if _links(root):
+        return False
     try:
-        with open(os.path.join(converted_dir(source), f"{kind}.json")) as f:
+        with open(os.path.join(root, f"{kind}.json")) as f:
             return bool(json.load(f).get("source") == fingerprint(source))
     except (OSError, ValueError):
         return False
@@ -214,7 +237,7 @@ def commit_in_background(source: str, kind: str, build: Callable[[str], object])
         try:
             target, how = cached_conversion(source, kind, build)
             if not os.path.exists(source):  # removed (retention) while it was written: no orphan left
-                shutil.rmtree(converted_dir(source), ignore_errors=True)
+                _remove(converted_dir(source))
             else:
                 log.debug("lplugins: %s: conversion %s %s (in the background): %s", source, kind, how, target)
         except Exception as err:  # the conversion is an optimisation: made again when next needed

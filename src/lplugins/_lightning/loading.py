@@ -178,12 +178,57 @@ def _deepspeed_files(path: str) -> list[str]:
         return []  # Lightning refuses it with its own message
     latest = os.path.join(path, "latest")
     tag_dir = path
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            candidate = os.path.join(path, f.read().strip())
+    if os.path.lexists(latest):
+        candidate = os.path.join(path, read_tag(path, "latest"))
         if os.path.isdir(candidate):
             tag_dir = candidate
     return sorted(glob.glob(os.path.join(glob.escape(tag_dir), "**", "*.pt"), recursive=True))
+
+
+def plain_name(name: str, what: str) -> str:
+    """``name`` when it is one entry's plain name inside a checkpoint directory (no ``/``, ``..``, NUL, not empty).
+
+    Raises:
+        ValueError: it is not (a tag, a ``.metadata`` path pointing elsewhere); ``what`` says where it came from.
+    """
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"{what} names {name!r}, not an entry of the checkpoint directory: refused")
+    return name
+
+
+def read_tag(path: str, latest: str) -> str:
+    """DeepSpeed's tag in ``path/<latest>``: a plain name, read from a regular file (no link, no FIFO).
+
+    Raises:
+        ValueError: the tag file is a link or not a regular file, or the tag is not a plain name.
+    """
+    import stat
+
+    file = os.path.join(path, latest)
+    mode = os.lstat(file).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{file} is not a regular file (a link, a FIFO or a device): refused")
+    with open(file) as f:
+        tag = f.read(4096).strip()
+    candidate = os.path.join(path, plain_name(tag, file))
+    if os.path.islink(candidate):
+        raise ValueError(f"{file} names {tag!r}, a symbolic link: refused")
+    return tag
+
+
+def check_dcp_paths(metadata: Any, path: Any) -> None:
+    """Every file a DCP ``.metadata`` sends reads to is a plain name inside ``path``, and a regular file there.
+
+    Raises:
+        ValueError: one names a path outside the directory (``../``, absolute) or a link.
+    """
+    import stat
+
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = str(getattr(info, "relative_path", ""))
+        full = os.path.join(os.fspath(path), plain_name(rel, f"{os.fspath(path)}/.metadata"))
+        if os.path.lexists(full) and not stat.S_ISREG(os.lstat(full).st_mode):
+            raise ValueError(f"{full} (named by .metadata) is not a regular file: refused")
 
 
 def _model_parallel_load(strategy: Any, load: Callable[..., Any], checkpoint_path: Any) -> Any:
@@ -210,6 +255,7 @@ def _load_sharded(strategy: Any, path: Any) -> dict[str, Any]:
     # the two pickles first, so that a refused checkpoint changes nothing
     checkpoint: dict[str, Any] = weights_only_file(path / _METADATA_FILENAME, ())
     metadata = _restricted_unpickle(path / ".metadata", DCP_METADATA_TYPES)
+    check_dcp_paths(metadata, path)
     reader_cls, planner_cls = _dcp_weights_only_classes()
     module = strategy.model
     module_state = {"state_dict": get_model_state_dict(module)}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 import zipfile
 from collections.abc import Callable
 from typing import IO, Any
@@ -12,6 +14,7 @@ from typing import IO, Any
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._storage import Storage
 from lplugins.callbacks._stream import StreamWriter
+from lplugins.callbacks._untrusted import UntrustedEntryError, lstat_beneath, open_beneath, what
 
 __all__ = ["LocalStorage"]
 
@@ -44,23 +47,35 @@ class LocalStorage(Storage):
     def exists(self, name: str) -> bool:
         return os.path.lexists(self.path(name))
 
-    def isdir(self, name: str) -> bool:
-        return os.path.isdir(self.path(name))
+    def isdir(self, name: str) -> bool:  # a link to a directory is not one (_untrusted)
+        try:
+            return stat.S_ISDIR(lstat_beneath(self._dir, name).st_mode)
+        except OSError:
+            return False
 
     def size(self, name: str) -> int:
-        return os.path.getsize(self.path(name))
+        mode = lstat_beneath(self._dir, name)
+        if not stat.S_ISREG(mode.st_mode):
+            raise UntrustedEntryError(errno.EINVAL, f"{name} is {what(mode.st_mode)}, not a regular file")
+        return mode.st_size
 
     def tree_sizes(self, name: str) -> dict[str, int]:
+        """Every regular file under directory ``name``; a link, FIFO or device in it is refused (``OSError``)."""
         top = self.path(name)
         out: dict[str, int] = {}
-        for root, _dirs, files in os.walk(top):
+        for root, dirs, files in os.walk(top):
+            for entry in (*dirs, *files):
+                full = os.path.join(root, entry)
+                mode = os.lstat(full).st_mode
+                if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    raise UntrustedEntryError(errno.EINVAL, f"{os.path.relpath(full, top)} is {what(mode)}")
             for f in files:
                 full = os.path.join(root, f)
-                out[os.path.relpath(full, top)] = os.path.getsize(full)
+                out[os.path.relpath(full, top)] = os.lstat(full).st_size
         return out
 
     def open_read(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        return open(self.path(name), "rb")
+        return os.fdopen(open_beneath(self._dir, name), "rb")
 
     def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return open(self.path(name), "xb")  # "x": never overwrite anything in place
@@ -133,7 +148,11 @@ class LocalStorage(Storage):
 
 
 def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """``fsync`` a regular file or a directory; a link, FIFO or device is left alone (never opened through)."""
+    mode = os.lstat(path).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
     try:
         os.fsync(fd)
     finally:

@@ -33,6 +33,7 @@ from lplugins._pl._lightning.loading import (
     DCP_METADATA_TYPES,
     _dcp_weights_only_classes,
     _restricted_unpickle,
+    check_dcp_paths,
     weights_only_file,
 )
 from lplugins._pl._lightning.registry import _private
@@ -138,6 +139,7 @@ def full_from_dcp(path: str) -> dict[str, Any]:
 
     meta: dict[str, Any] = weights_only_file(os.path.join(path, "meta.pt"), ())
     metadata = _restricted_unpickle(os.path.join(path, ".metadata"), DCP_METADATA_TYPES)
+    check_dcp_paths(metadata, path)
     reader_cls, planner_cls = _dcp_weights_only_classes()
 
     class Planner(planner_cls, _EmptyStateDictLoadPlanner):  # type: ignore[misc,valid-type]

@@ -30,7 +30,7 @@ import os
 import re
 from typing import Any
 
-from lplugins._pl._lightning.loading import DEEPSPEED_SAFE_TYPES, weights_only_file
+from lplugins._pl._lightning.loading import DEEPSPEED_SAFE_TYPES, read_tag, weights_only_file
 
 __all__ = [
     "DEEPSPEED_KEYS",
@@ -64,11 +64,9 @@ class LayoutError(ValueError):
 def tag_dir(path: str) -> str:
     """The directory of the tag ``path/latest`` names (Lightning saves one tag per DeepSpeed checkpoint directory)."""
     for latest in ("latest", "latest_universal"):
-        file = os.path.join(path, latest)
-        if os.path.isfile(file):
-            with open(file) as f:
-                tag = f.read().strip()
-            if tag and os.path.isdir(os.path.join(path, tag)):
+        if os.path.lexists(os.path.join(path, latest)):
+            tag = read_tag(path, latest)  # a plain name from a regular file, or refused
+            if os.path.isdir(os.path.join(path, tag)):
                 return os.path.join(path, tag)
     return path
 

@@ -210,8 +210,10 @@ class LatestResolver:
         """Load ``path`` with its bytes verified against ``record``: ``(result, None)`` or ``(None, error)``."""
         try:
             return self._verified(storage, record, path, attempt), None
-        except Exception as err:  # every rank reports, then all skip (or raise) together
-            return None, err
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # every rank reports, then all skip (or raise) together; torch DCP's
+            return None, err  # CheckpointException is a BaseException, and a load's failure all the same
 
     def _verified(self, storage: Storage, record: Record | None, path: str, attempt: Callable[[str], Any]) -> Any:
         if record is None:  # not a committed checkpoint of this directory: nothing to verify against
@@ -239,7 +241,9 @@ class LatestResolver:
             with Overlapped(check) as job:
                 try:
                     result = self._attempt(path, attempt, mapping=record.kind != "dir")
-                except Exception as err:
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as err:
                     if (problem := job.result()) is not None:
                         raise DamagedCheckpointError(f"{path}: {problem}") from err
                     raise
