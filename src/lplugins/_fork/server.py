@@ -134,6 +134,9 @@ def _redirect(fd: int, path: str | None) -> None:
 def _child(request: dict[str, Any], commands: int, events: int) -> None:
     """In the forked child: become ``python script.py args``; never returns (exits through ``sys.exit``)."""
     os.close(commands)
+    main = threading.main_thread()
+    if main.native_id != threading.get_native_id() and hasattr(main, "_set_native_id"):
+        main._set_native_id()  # CPython 3.11 keeps the parent's after os.fork(): the watchdog reads this thread's CPU
     signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter has
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -205,7 +208,7 @@ def _run_main(argv: list[str]) -> Any:
         tb = error.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next
-        sys.excepthook(type(error), error, tb)  # tb None: a SyntaxError, as Python prints it
+        sys.excepthook(type(error), error.with_traceback(tb), tb)  # tb None: a SyntaxError, as Python prints it
         return _INTERRUPTED if isinstance(error, KeyboardInterrupt) else 1
     return 0
 
