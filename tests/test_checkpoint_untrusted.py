@@ -199,3 +199,27 @@ def test_a_deepspeed_latest_tag_that_leaves_the_directory_is_refused(tmp_path: P
     assert read_tag(str(d), "latest_universal") == "good"
     assert plain_name("global_step4", "t") == "global_step4"
     assert _snapshot(outside) == before
+
+
+# ------------------------------------------------------------------------------- failures that escape
+@pytest.mark.timeout(120)
+def test_a_load_failing_with_a_base_exception_falls_back_instead_of_ending_the_run(tmp_path: Path) -> None:
+    """torch DCP's ``CheckpointException`` derives from ``BaseException``: ``except Exception`` let it end the run."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class FailsOnTheNewest(TorchCheckpointIO):
+        def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+            if str(path).endswith(NEWEST):
+                raise CheckpointException("the reader failed", {})
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    d = tmp_path / "ckpts"
+    _two_checkpoints(d)
+    trainer = Trainer(
+        callbacks=[DurableCheckpoint(d, every_n_steps=2, keep_last=None)], max_steps=6, plugins=[FailsOnTheNewest()],
+        **QUIET,
+    )  # fmt: skip
+    trainer.fit(Regression(), regression_loader(32, batch_size=4), ckpt_path="latest")
+    assert trainer.global_step == 6
+    assert trainer.ckpt_path is not None and trainer.ckpt_path.endswith("step=000000002-epoch=0000.ckpt")
