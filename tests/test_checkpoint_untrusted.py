@@ -21,6 +21,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lplugins._lightning.converted import cached_conversion, committed, converted_dir
 from lplugins._lightning.loading import check_dcp_paths, plain_name, read_tag
 from lplugins.callbacks import DurableCheckpoint
+from lplugins.callbacks._claim import CLAIM
 from lplugins.callbacks._latest import newest_loadable
 from lplugins.callbacks._storages import open_storage
 from lplugins.callbacks._untrusted import UntrustedEntryError, lstat_beneath, open_beneath
@@ -39,7 +40,12 @@ def _sentinel(root: Path) -> tuple[Path, dict[str, tuple[bytes, int]]]:
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {p.name: (b"" if p.is_fifo() else p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+    def content(p: Path) -> bytes:
+        if p.is_fifo():
+            return b""
+        return str(sorted(os.listdir(p))).encode() if p.is_dir() else p.read_bytes()
+
+    return {p.name: (content(p), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
 
 
 def _two_checkpoints(d: Path) -> None:
@@ -223,3 +229,59 @@ def test_a_load_failing_with_a_base_exception_falls_back_instead_of_ending_the_r
     trainer.fit(Regression(), regression_loader(32, batch_size=4), ckpt_path="latest")
     assert trainer.global_step == 6
     assert trainer.ckpt_path is not None and trainer.ckpt_path.endswith("step=000000002-epoch=0000.ckpt")
+
+
+# ------------------------------------------------------------------------------ found by the attack
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("quarantine", ["link-to-outside", "link-to-fifo", "file"])
+def test_a_quarantine_that_is_not_a_folder_is_replaced_never_written_through(tmp_path: Path, quarantine: str) -> None:
+    outside, _ = _sentinel(tmp_path)
+    (outside / "dir").mkdir()
+    d = tmp_path / "ckpts"
+    _two_checkpoints(d)
+    if quarantine == "link-to-outside":
+        os.symlink(outside / "dir", d / "quarantine")
+    elif quarantine == "link-to-fifo":
+        os.symlink(outside / "fifo", d / "quarantine")
+    else:
+        (d / "quarantine").write_bytes(b"a file")
+    before = _snapshot(outside)
+    os.truncate(d / NEWEST, 100)  # damaged: moved to the quarantine at the start of fit
+    trainer = _resume(d)
+    assert trainer.ckpt_path is not None and trainer.ckpt_path.endswith("step=000000002-epoch=0000.ckpt")
+    assert (d / "quarantine").is_dir() and not (d / "quarantine").is_symlink()
+    assert (d / "quarantine" / NEWEST / NEWEST).is_file()
+    assert _snapshot(outside) == before and not any((outside / "dir").iterdir())
+    if quarantine == "file":  # kept, out of the way
+        assert [p.read_bytes() for p in d.glob("quarantine.not-a-folder.*")] == [b"a file"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attack", ["nested-marker", "huge-marker", "nested-claim"])
+def test_markers_and_claims_built_to_exhaust_the_reader_are_refused(tmp_path: Path, attack: str) -> None:
+    d = tmp_path / "ckpts"
+    _two_checkpoints(d)
+    if attack == "nested-marker":
+        (d / (NEWEST + ".commit")).write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    elif attack == "huge-marker":  # 64 GiB, sparse: read whole, it would take the memory
+        with open(d / "step=000000009-epoch=0000.ckpt.commit", "wb") as f:
+            f.truncate(64 << 30)
+    else:
+        (d / CLAIM).write_bytes(b"[" * 100_000 + b"]" * 100_000)  # a claim left by a job: not readable
+    trainer = _resume(d)
+    expected = "step=000000004-epoch=0000.ckpt" if attack != "nested-marker" else "step=000000002-epoch=0000.ckpt"
+    assert trainer.ckpt_path is not None and trainer.ckpt_path.endswith(expected)
+    assert trainer.global_step == 6
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_in_the_conversion_cache_is_never_opened(tmp_path: Path) -> None:
+    source = tmp_path / "step=1.ckpt"
+    source.write_bytes(b"the checkpoint")
+    root = Path(converted_dir(str(source)))
+    root.mkdir()
+    os.mkfifo(root / "full.ckpt.json")
+    assert committed(str(source), "full.ckpt") is False
+    path, how = cached_conversion(str(source), "full.ckpt", lambda p: Path(p).write_bytes(b"made"))
+    assert how.startswith("made (the one there was not used: it holds a link, FIFO or device")
+    assert Path(path).read_bytes() == b"made" and not (root / "full.ckpt.json").is_fifo()

@@ -127,7 +127,7 @@ class ForkServer:
         self.ready: float | None = None
         self.refused: list[str] | None = None
         self._started: dict[int, int] = {}  # request number -> pid
-        self._running: set[int] = set()
+        self._running: set[int] = set()  # request numbers whose child reached its script
         self._requests = 0
         self._reader = threading.Thread(target=self._read, name="lplugins-forkserver-events", daemon=True)
         self._reader.start()
@@ -144,13 +144,12 @@ class ForkServer:
                         self.ready = float(message["ready"])
                     elif "refused" in message:
                         self.refused = [str(r) for r in message["refused"]]
-                    elif "started" in message:
+                    elif "started" in message:  # always before that child's exit (one writer: the server)
                         pid = int(message["started"])
                         self.exits.pop(pid, None)  # a pid used again: what its last owner did is not this one's
-                        self._running.discard(pid)
                         self._started[int(message["id"])] = pid
                     elif "running" in message:
-                        self._running.add(int(message["running"]))
+                        self._running.add(int(message["id"]))
                     elif "exit" in message:
                         self.exits[int(message["exit"])] = int(message["returncode"])
                     self.changed.notify_all()
@@ -234,11 +233,11 @@ class ForkServer:
         with self.changed:
             while self.alive() and time.monotonic() < deadline:
                 pid = self._started.get(number)
-                if pid is not None and (pid in self._running or pid in self.exits):
+                if pid is not None and (number in self._running or pid in self.exits):
                     break
                 self.changed.wait(0.05)
             pid = self._started.get(number)
-        if pid is not None and pid in self._running:
+        if pid is not None and number in self._running:
             return Forked(pid, self, new_session)
         if pid is not None and pid not in self.exits:
             Forked(pid, self, new_session).kill()

@@ -10,10 +10,13 @@ with ``--load``, checks that forking is safe, says ``{"ready": seconds, "pid": p
 
 For each it forks a child that becomes ``python job.py ...`` run in ``cwd`` with ``env`` (the server's
 own, updated by ``env_update``, when ``env`` is null), its output appended to the files, and answers
-``{"started": pid, "id": id}``; the child says ``{"running": pid}`` just before the script's first line
-runs. When a child ends the server says ``{"exit": pid, "returncode": code}`` (``-N``: killed by signal N,
-as :class:`subprocess.Popen` reports it). When ``CMD_FD`` closes (the client is gone) it sends SIGTERM to
-the children still running, SIGKILL after :data:`GRACE_S`, and exits once they have.
+``{"started": pid, "id": id}``; the child says ``{"running": pid, "id": id}`` just before the script's
+first line runs (it may come first: the two are written by two processes). When a child ends the server
+says ``{"exit": pid, "returncode": code}`` (``-N``: killed by signal N, as :class:`subprocess.Popen`
+reports it). When ``CMD_FD`` closes (the client is gone) it sends SIGTERM to
+the children still running and their process groups, SIGKILL after :data:`GRACE_S`, and once they have
+ended, SIGKILL to every process still carrying its mark (:data:`MARK_VAR`: what they started, a
+process that left their session included), then exits.
 
 Forking is safe only from a process with one thread and no process group: a lock held by another
 thread stays held in the child for ever, and a child cannot use its parent's gloo or NCCL connections.
@@ -167,7 +170,7 @@ def _child(request: dict[str, Any], commands: int, events: int) -> None:
         threads = env.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(threads))
-        _send(events, {"running": os.getpid()})
+        _send(events, {"running": os.getpid(), "id": request.get("id")})  # may come before the server's "started"
         os.close(events)
     except BaseException as error:  # the set-up failed: say so where the output goes, exit as a shell would
         print(f"lplugins fork server: cannot start {request.get('argv')!r}: {error!r}", file=sys.stderr, flush=True)

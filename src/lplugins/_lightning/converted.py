@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import threading
 import uuid
@@ -89,13 +90,22 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _strange(path: str) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a directory (a link, a FIFO, a device...)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def _links(top: str) -> list[str]:
-    """The symbolic links at or under ``top`` (a conversion holds none: one is never followed, read or written)."""
-    if os.path.islink(top):
+    """The links, FIFOs and devices at or under ``top``: a conversion holds none, and none is ever opened."""
+    if _strange(top):
         return [top]
     found = []
     for root, dirs, names in os.walk(top):
-        found += [os.path.join(root, n) for n in (*dirs, *names) if os.path.islink(os.path.join(root, n))]
+        found += [os.path.join(root, n) for n in (*dirs, *names) if _strange(os.path.join(root, n))]
     return found
 
 
@@ -112,7 +122,7 @@ def _remove(path: str) -> None:
 def _problem(target: str, manifest: str, source_print: str) -> str | None:
     """Why the conversion at ``target`` cannot be used, or ``None``: every byte checked against its manifest."""
     if links := _links(manifest) + _links(target):
-        return f"it holds a symbolic link ({os.path.basename(links[0])}), which is never followed"
+        return f"it holds a link, FIFO or device ({os.path.basename(links[0])}), which is never opened"
     try:
         with open(manifest) as f:
             committed = json.load(f)

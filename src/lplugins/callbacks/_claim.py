@@ -70,7 +70,7 @@ class Claim:
         try:
             data: Any = json.loads(raw)
             claim = cls(**data)
-        except (TypeError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (TypeError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
             raise ValueError(f"not a claim: {err}") from None
         if not (isinstance(claim.host, str) and isinstance(claim.pid, int) and isinstance(claim.token, str)):
             raise ValueError("not a claim: a field has the wrong type")

@@ -81,6 +81,8 @@ class Cleanup:
 
 
 _CHUNK = 8 << 20
+#: The most bytes a commit marker may hold (one lists a directory checkpoint's files: kilobytes, not more).
+MARKER_LIMIT = 16 << 20
 
 
 def is_remote(path: str) -> bool:
@@ -260,10 +262,17 @@ class Storage(ABC):
         if self.exists(name):
             raise FileExistsError(f"{self.path(name)} exists already; a committed file is never overwritten")
 
-    def read_bytes(self, name: str) -> bytes:
-        """The contents of file ``name``."""
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """The contents of file ``name``.
+
+        Raises:
+            ValueError: it holds more than ``limit`` bytes (it is not read further).
+        """
         with self.open_read(name) as f:
-            return f.read()
+            data = f.read() if limit is None else f.read(limit + 1)
+        if limit is not None and len(data) > limit:
+            raise ValueError(f"{name} holds more than {limit} bytes: not a file lplugins wrote")
+        return data
 
     def write_small(self, name: str, data: bytes) -> None:
         """Write a small new file ``name`` (any relative path) and sync it (not atomic: for notes)."""
@@ -368,9 +377,9 @@ class Storage(ABC):
             if not entry.endswith(COMMIT_SUFFIX) or entry.startswith(TMP_PREFIX):
                 continue
             try:
-                record: Record | None = Record.from_json(self.read_bytes(entry))
+                record: Record | None = Record.from_json(self.read_bytes(entry, limit=MARKER_LIMIT))
                 problem = None
-            except (OSError, ValueError, TypeError) as err:
+            except (OSError, ValueError, TypeError, RecursionError) as err:
                 record, problem = None, f"unreadable commit marker: {err}"
             if record is not None and record.name + COMMIT_SUFFIX != entry:
                 problem = f"commit marker names another checkpoint ({record.name!r})"
@@ -395,6 +404,7 @@ class Storage(ABC):
         :data:`REASON_FILE` saying why; nothing is deleted. The data moves first: a crash in between leaves
         a marker without data, which the next start removes (the data is safe in the quarantine).
         """
+        self.real_folder(QUARANTINE)
         taken = set(self.listdir_of(QUARANTINE))
         folder_name, n = name, 0
         while folder_name in taken:
@@ -409,6 +419,11 @@ class Storage(ABC):
         self.fsync_tree(folder)  # the folder's entries (its files are synced already: cheap)
         self.fsync_dir()
         return self.path(folder)
+
+    def real_folder(self, name: str) -> None:
+        """Make sure entry ``name`` is a folder of this directory, not a link to one elsewhere (local storage
+        replaces a link, or a file, by a new folder: what it pointed to is not touched); others do nothing."""
+        return None
 
     def listdir_of(self, name: str) -> list[str]:
         """Entry names in the sub-directory ``name`` (empty when it does not exist)."""

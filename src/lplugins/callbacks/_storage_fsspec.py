@@ -57,8 +57,11 @@ class FsspecStorage(Storage):
     def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return self._fs.open(self.path(name), "wb")
 
-    def read_bytes(self, name: str) -> bytes:
-        return bytes(self._fs.cat_file(self.path(name)))
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        data = bytes(self._fs.cat_file(self.path(name), end=None if limit is None else limit + 1))
+        if limit is not None and len(data) > limit:
+            raise ValueError(f"{name} holds more than {limit} bytes: not a file lplugins wrote")
+        return data
 
     def mkdir(self, name: str) -> None:
         self._fs.makedirs(self.path(name), exist_ok=True)

@@ -80,6 +80,19 @@ class LocalStorage(Storage):
     def open_write(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return open(self.path(name), "xb")  # "x": never overwrite anything in place
 
+    def real_folder(self, name: str) -> None:
+        path = self.path(name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(mode):
+            return
+        if stat.S_ISLNK(mode):
+            os.unlink(path)  # the link itself, inside the checkpoint directory
+        else:  # a file, a FIFO, a device: kept, out of the way
+            os.rename(path, self.path(f"{name}.not-a-folder.{os.urandom(4).hex()}"))
+
     def mkdir(self, name: str) -> None:
         os.makedirs(self.path(name), exist_ok=True)
 
