@@ -15,11 +15,24 @@ Importing this module imports neither Ray nor Lightning. See ``docs/ray.md``.
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lplugins.ray._names import RayUnavailableError
-from lplugins.ray._run import RayArgumentError, compose, fit, run
+
+if TYPE_CHECKING:
+    from lplugins.ray._run import RayArgumentError, compose, fit, run
+
+
+def __getattr__(name: str) -> Any:
+    """``compose``, ``fit``, ``run`` and ``RayArgumentError`` on first use: ``lplugins.load()`` (which registers the
+    Ray names) does not pay for the launcher."""
+    if name in ("RayArgumentError", "compose", "fit", "run"):
+        value = getattr(importlib.import_module("lplugins.ray._run"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["RayArgumentError", "RayUnavailableError", "checkpoint_path", "compose", "fit", "run"]
 
