@@ -142,3 +142,28 @@ def _env() -> dict[str, str]:
     from pathlib import Path
 
     return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+EARLY_FAILURE = r"""
+import os
+import lightning.pytorch as pl
+from tests.models import Regression, regression_loader
+
+class Boom(Regression):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1 and self.trainer.global_rank == 1:
+            raise RuntimeError("boom on rank 1")
+        return super().training_step(batch, batch_idx)
+
+pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False, enable_checkpointing=False,
+           enable_progress_bar=False, enable_model_summary=False).fit(Boom(), regression_loader(64, batch_size=4))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_in_the_first_steps_is_named_on_the_other_rank(lplugins_launch: Any) -> None:
+    # before the watchdog's first sample: its board and exception hook are set when the run starts
+    ranks = lplugins_launch(EARLY_FAILURE, ranks=2, env=_env(), timeout=100)
+    assert ranks.returncodes[1] == 1, ranks.stderr
+    rank0 = ranks.outputs[0][1]
+    assert "rank 1 failed: RuntimeError: boom on rank 1" in rank0, rank0

@@ -51,7 +51,7 @@ from lplugins._log import announce, log
 
 __all__ = [
     "DEFAULT_TIMEOUT", "EXIT_STATUS", "TIMEOUT_VAR", "arm", "bound", "disarm", "finish", "note_peer_failures",
-    "fail", "pause", "stacks_dir",
+    "pause", "stacks_dir",
 ]  # fmt: skip
 
 #: The environment variable for the collective bound's floor (seconds, ``auto`` or ``off``; see ``settings``).
@@ -388,8 +388,9 @@ def arm(
             return
         _thread = _Watchdog(interval or min(1.0, timeout / 10), heartbeat)
         _thread.start()
-        try:  # the board now, not at the first sample: a failure in the first steps is posted all the same
-            current_board()
+        try:  # the board and the exception hook now, not at the first sample: a failure in the first steps
+            if current_board() is not None:  # is posted for the other ranks all the same
+                _install_excepthook()
         except Exception:  # torch.distributed unavailable: the thread finds out for itself
             pass
     atexit.register(_at_exit)
@@ -456,13 +457,6 @@ def disarm() -> None:
         _close_stack_file(thread)
     if parked is not None and parked is not thread:
         _close_stack_file(parked)
-
-
-def fail(err: BaseException) -> None:
-    """A run ends with ``err`` on this rank: tell the other ranks now (which, what, where), while the thread runs."""
-    if _board_module._board is None:  # it ended before the thread's first sample found the board
-        current_board()
-    _post_fatal(err, err.__traceback__)
 
 
 def pause() -> None:
