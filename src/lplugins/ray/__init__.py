@@ -34,6 +34,7 @@ def __getattr__(name: str) -> Any:
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = ["RayArgumentError", "RayUnavailableError", "checkpoint_path", "compose", "fit", "run"]
 
 
