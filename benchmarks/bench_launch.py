@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,14 +47,10 @@ with open(f"cpu{os.environ['LOCAL_RANK']}.json", "w") as f:
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
-    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()), "OMP_NUM_THREADS": "1"}
+    from lplugins._fork.ranks import free_port
+
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
 
 
 def fresh(script: Path) -> tuple[float, float]:

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,14 +16,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lplugins._fork.ranks import free_port, json_objects
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port that is free on localhost right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -38,25 +32,8 @@ class Result:
         return self
 
     def json_objects(self) -> list[dict[str, Any]]:
-        """Every JSON object the ranks printed on stdout, in order.
-
-        Ranks share one stdout pipe and write unbuffered, so one rank's object can land on the same
-        line as another's (``{...}{...}``) before either newline; each object is decoded where it
-        starts, whatever precedes or follows it on the line.
-        """
-        decoder = json.JSONDecoder()
-        found: list[dict[str, Any]] = []
-        at = self.stdout.find("{")
-        while at != -1:
-            try:
-                value, end = decoder.raw_decode(self.stdout, at)
-            except json.JSONDecodeError:
-                at = self.stdout.find("{", at + 1)
-                continue
-            if isinstance(value, dict):
-                found.append(value)
-            at = self.stdout.find("{", end)
-        return found
+        """Every JSON object the ranks printed on stdout, in order (:func:`lplugins._fork.ranks.json_objects`)."""
+        return json_objects(self.stdout)
 
 
 #: How :func:`run_script` starts a job unless told: ``"launcher"`` (``python job.py``, as users run it: one

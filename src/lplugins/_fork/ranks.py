@@ -130,20 +130,25 @@ class Ranks:
 
     def json_objects(self) -> list[dict[str, Any]]:
         """Every JSON object the ranks printed on stdout, in rank order."""
-        decoder = json.JSONDecoder()
-        found: list[dict[str, Any]] = []
-        text = self.stdout
-        at = text.find("{")
-        while at != -1:
-            try:
-                value, end = decoder.raw_decode(text, at)
-            except json.JSONDecodeError:
-                at = text.find("{", at + 1)
-                continue
-            if isinstance(value, dict):
-                found.append(value)
-            at = text.find("{", end)
-        return found
+        return json_objects(self.stdout)
+
+
+def json_objects(text: str) -> list[dict[str, Any]]:
+    """Every JSON object in ``text``, in order, each decoded where it starts (ranks that share one output
+    may put two objects on one line, ``{...}{...}``, before either newline)."""
+    decoder = json.JSONDecoder()
+    found: list[dict[str, Any]] = []
+    at = text.find("{")
+    while at != -1:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            at = text.find("{", at + 1)
+            continue
+        if isinstance(value, dict):
+            found.append(value)
+        at = text.find("{", end)
+    return found
 
 
 def _kill(procs: Sequence[Forked]) -> None:
