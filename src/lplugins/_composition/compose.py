@@ -250,6 +250,7 @@ def _attach(trainer: Trainer, callbacks: Sequence[Any], manager: PluginManager |
     from lightning.pytorch.trainer.states import TrainerStatus
 
     _arm_watchdog(trainer)  # also where lplugins' callbacks_factory entry point is not installed
+    _give_resume_position(trainer)
     if trainer.state.status == TrainerStatus.RUNNING:
         raise CompositionError(
             "Cannot attach callbacks while the Trainer is running; call lplugins.attach() before trainer.fit()."
@@ -298,6 +299,17 @@ def _arm_watchdog(trainer: Any) -> None:
             callbacks.append(
                 CollectiveWatch(chosen.collective, chosen.heartbeat, getattr(trainer, "default_root_dir", None))
             )
+
+
+def _give_resume_position(trainer: Any) -> None:
+    """A Trainer whose strategy lplugins provides resumes any checkpoint mid-epoch at its batch, or says why not
+    (:class:`~lplugins.callbacks._resume_position.ResumePosition`); other Trainers are left as Lightning made them."""
+    from lplugins.callbacks._resume_position import ResumePosition, provided_by_lplugins
+
+    callbacks = getattr(trainer, "callbacks", None)
+    if isinstance(callbacks, list) and provided_by_lplugins(getattr(trainer, "strategy", None)):
+        if not any(isinstance(cb, ResumePosition) for cb in callbacks):
+            callbacks.append(ResumePosition())
 
 
 def _understand_ckpt_path(trainer: Any) -> None:

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lplugins import _lightning
 from lplugins._log import announce
-from lplugins.callbacks import _rng
+from lplugins.callbacks import _position_stock, _rng
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -145,7 +145,8 @@ def _replayed(inner: Any, record: dict[str, Any], skip: int) -> Iterator[Any]:
     """``inner``'s stream as it was drawn from ``record``'s state, less its first ``skip`` items; RNG-neutral."""
     now = _rng.capture()
     try:
-        _rng.restore(record["rng"])
+        if record["rng"] is not None:  # None: an order fixed by the epoch (a checkpoint lplugins did not write)
+            _rng.restore(record["rng"])
         for generator, state in zip(_generators(inner), record["generators"], strict=False):
             generator.set_state(state)
         stream = iter(inner)
@@ -173,6 +174,8 @@ class DataPosition:
         self._why_loaded_unusable: str | None = None
         #: The position being replayed (epoch, batches to skip, per-loader records), for this fit.
         self._resuming: dict[str, Any] | None = None
+        #: Whether this fit's plan was looked for in Lightning's counters (a checkpoint without a position).
+        self._counted = False
 
     # ---------------------------------------------------------------- fit lifetime
     def attach(self, trainer: Trainer) -> None:
@@ -180,6 +183,7 @@ class DataPosition:
         self.detach()
         self._fit = trainer
         self._resuming = None
+        self._counted = False
         self._undo.append(_lightning.wrap_process_dataloader(trainer.strategy, self._process))
 
     def detach(self) -> None:
@@ -280,6 +284,9 @@ class DataPosition:
 
     def _plan(self) -> dict[str, Any] | None:
         """The loaded position as a replay plan (made once, when the first stream of the fit starts)."""
+        if self._resuming is None and self._loaded is None and not self._counted:
+            self._counted = True
+            self._loaded = self._from_counters()
         if self._resuming is None and self._loaded is not None:
             loaded, self._loaded = self._loaded, None
             total, batch = loaded["batches"], loaded["batch"]
@@ -300,6 +307,28 @@ class DataPosition:
                 **loaded, "replayed": done, "offset": offset, "mid_epoch": mid_epoch, "resize": resize,
             }  # fmt: skip
         return self._resuming
+
+    def _from_counters(self) -> dict[str, Any] | None:
+        """The position of a checkpoint that holds none (a stock ``ModelCheckpoint`` file), from Lightning's loop
+        counters, when this fit resumes one mid-epoch (:mod:`lplugins.callbacks._position_stock`); else ``None``."""
+        trainer = self._fit
+        if trainer is None or trainer.ckpt_path is None or self._why_loaded_unusable is not None:
+            return None
+        batch, total = _lightning.batches_trained_in_epoch(trainer), trainer.num_training_batches
+        if batch <= 0:
+            return None
+        epoch = int(trainer.current_epoch)
+        loaders = []
+        for loader in _flatten(trainer.train_dataloader):
+            wrapper = _wrapper_of(loader)
+            if wrapper is None:
+                loaders.append({"kind": "stateful" if _is_stateful(loader) else "none", "why": _why_not(loader)})
+            else:
+                loaders.append(_position_stock.record(wrapper.inner, epoch))
+        return {
+            "version": POSITION_VERSION, "epoch": epoch, "batch": batch, "loaders": loaders, "counted": True,
+            "batches": None if total == float("inf") else int(total),
+        }  # fmt: skip
 
     def _converted(self, loaded: dict[str, Any]) -> tuple[int, str]:
         """The batch of the epoch in progress to continue from on this world size, and how it was found.
@@ -378,6 +407,11 @@ class DataPosition:
         batch = plan["batch"]
         of = "" if total == float("inf") else f" of {int(total)}"
         where = f"resuming mid-epoch {trainer.current_epoch + plan['offset']} at batch {batch}{of}"
+        who = "DurableCheckpoint: "
+        if plan.get("counted"):  # one line instead of Lightning's "not resumable" warning, which it replaces
+            who = ""
+            where = f"{where} from {trainer.ckpt_path} (a checkpoint without lplugins' data position)"
+            self._undo.append(_lightning.hide_lightning_warning(_lightning.NOT_RESUMABLE_WARNING))
         loaders = _flatten(trainer.train_dataloader)
         problems = []
         for index, loader in enumerate(loaders):
@@ -395,10 +429,13 @@ class DataPosition:
             if why is not None:
                 problems.append(f"loader {index}: {why}" if len(loaders) > 1 else why)
         if problems:
+            fix = _HOW_TO[0].upper() + _HOW_TO[1:]
+            if plan.get("counted"):
+                fix = "Save with lplugins' DurableCheckpoint to resume exactly whatever the sampler"
             announce(
-                "lplugins: DurableCheckpoint: %s, but the data order is NOT restored: %s; training goes on with"
-                " the batches a fresh iterator gives. %s.",
-                where, "; ".join(problems), _HOW_TO[0].upper() + _HOW_TO[1:],
+                "lplugins: %s%s, but the data order is NOT restored: %s; the epoch's remaining batches come from a"
+                " fresh iterator (its first samples are trained again, its last ones not). %s.",
+                who, where, "; ".join(problems), fix,
             )  # fmt: skip
         elif all(_is_stateful(loader) for loader in loaders):
             unsized = [i for i, loader in enumerate(loaders) if not callable(getattr(loader, "__len__", None))]
@@ -408,14 +445,16 @@ class DataPosition:
                 if unsized
                 else ""
             )
-            announce("lplugins: DurableCheckpoint: %s; the train dataloader restores its own position.%s", where, ahead)
+            announce("lplugins: %s%s; the train dataloader restores its own position.%s", who, where, ahead)
         else:
+            fixed = "; the sampler's order is fixed by its seed and the epoch" if plan.get("counted") else ""
             announce(
-                "lplugins: DurableCheckpoint: %s, same order (the %d trained batches are skipped as indices).",
-                where, batch,
+                "lplugins: %s%s, same order (the %d trained batches are skipped as indices%s).",
+                who, where, batch, fixed,
             )  # fmt: skip
             # Lightning's "your dataloader is not resumable" would now be wrong: kept off until the fit ends
-            self._undo.append(_lightning.hide_lightning_warning(_lightning.NOT_RESUMABLE_WARNING))
+            if not plan.get("counted"):
+                self._undo.append(_lightning.hide_lightning_warning(_lightning.NOT_RESUMABLE_WARNING))
 
 
 def _geometry(loader: Any, wrapper: PositionedSampler | None) -> dict[str, Any]:

@@ -15,7 +15,9 @@ In every ``Trainer()`` for more than one process it also gives the Trainer the c
 (:mod:`lplugins._coord.watchdog`; ``LPLUGINS_COLLECTIVE_TIMEOUT=off`` turns it off), whatever the variable:
 its settings are checked in ``Trainer()``, its thread runs only while a run does
 (:mod:`lplugins._pl._composition.watch`). Nothing else happens to a Trainer of a process that did not ask for
-lplugins (no ``lplugins.load()``, ``compose``, ``attach`` or zero-code mode): no thread, no patch, no output.
+lplugins (no ``lplugins.load()``, ``compose``, ``attach`` or zero-code mode): no thread, no patch, no output. A Trainer
+whose strategy is one of lplugins' also gets :class:`~lplugins._pl.callbacks._resume_position.ResumePosition`
+(any checkpoint resumed mid-epoch continues at its batch, or one line says why it cannot).
 
 Strategy names cannot be added from here (Lightning checks them before this entry point runs):
 call :func:`lplugins.load` before building the Trainer for those.
@@ -45,11 +47,12 @@ def callbacks_factory() -> list[Any]:
         trainer = _lightning.trainer_being_built()
         asked = env_flag(ENV_VAR) or loaded_manager() is not None
         if trainer is not None:
-            from lplugins._pl._composition.compose import _arm_watchdog, _understand_ckpt_path
+            from lplugins._pl._composition.compose import _arm_watchdog, _give_resume_position, _understand_ckpt_path
 
             if asked:
                 _understand_ckpt_path(trainer)
             _arm_watchdog(trainer)
+            _give_resume_position(trainer)
         if not env_flag(ENV_VAR):
             return []
         return get_manager().trainer_callbacks({})
