@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lplugins
@@ -154,3 +154,67 @@ print(json.dumps({{"rank": trainer.global_rank, "full": full.losses, "first": fi
         line for line in result.stderr.splitlines() + result.stdout.splitlines() if "mid-epoch 0 at batch 3" in line
     ]
     assert len(said) == 1 and "same order" in said[0], said  # once, on rank zero
+
+
+# ------------------------------------------------------------------------------ found by the attack
+class FailAt(Callback):
+    """Fails the batch that would make optimizer step ``at`` (before it is trained)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            raise RuntimeError("failed")
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_file_saved_while_a_batch_failed_resumes_at_that_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lplugins")
+    reference = fit(tmp_path / "reference", 16, "ddp_timeout")
+    torch.manual_seed(0)
+    saves = OnExceptionCheckpoint(tmp_path / "failed", filename="on_exception")
+    trainer = Trainer(max_steps=16, strategy="ddp_timeout", devices=1, callbacks=[saves, FailAt(6)], **QUIET)
+    with pytest.raises(RuntimeError, match="failed"):
+        trainer.fit(Regression(4, seed=0), loader())
+    # the failed batch counts as started, not trained: Lightning trains it again, and so must the data order
+    resumed = fit(tmp_path / "failed", 16, "ddp_timeout", ckpt_path=str(tmp_path / "failed" / "on_exception.ckpt"))
+    assert torch.equal(resumed.weights, reference.weights)
+    (line,) = lines(caplog)
+    assert "mid-epoch 0 at batch 6 of 10" in line and "same order" in line
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_failed_fit_gives_the_loaders_and_lightnings_warning_back(tmp_path: Path) -> None:
+    fit(tmp_path, 6, "ddp_timeout", use_distributed_sampler=False)
+    data = loader()  # without Lightning's DistributedSampler: the user's own DataLoader is the one trained
+    wrapped = []
+    seen = LambdaCallback(on_train_start=lambda t, m: wrapped.append(type(data.batch_sampler).__name__))
+    trainer = Trainer(
+        max_steps=16, strategy="ddp_timeout", devices=1, callbacks=[FailAt(8), seen], use_distributed_sampler=False,
+        **QUIET,
+    )  # fmt: skip
+    filters = list(warnings.filters)
+    with pytest.raises(RuntimeError, match="failed"):
+        trainer.fit(Regression(4, seed=0), data, ckpt_path=str(tmp_path / "ckpts" / "epoch=0-step=6.ckpt"))
+    assert wrapped == ["PositionedSampler"]  # wrapped for the fit, Lightning's warning replaced by one line
+    assert type(data.batch_sampler).__name__ == "BatchSampler"  # and the user's own again after the failure
+    assert list(warnings.filters) == filters
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_checkpoint_whose_epochs_had_another_length_is_said_to_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lplugins")
+    fit(tmp_path, 14, "ddp_timeout")  # 10 batches an epoch: saved at step 12, batch 2 of epoch 1
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(48, 4, generator=g)  # now 12 batches an epoch (as on another world size)
+    longer = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    trainer = Trainer(max_steps=16, strategy="ddp_timeout", devices=1, **QUIET)
+    trainer.fit(Regression(4, seed=0), longer, ckpt_path=str(tmp_path / "ckpts" / "epoch=1-step=12.ckpt"))
+    (line,) = lines(caplog)
+    assert "mid-epoch 1 at batch 2 of 12" in line and "NOT restored" in line
+    assert "trained 10 batches in its 1 epoch(s) before this one, not 1 x 12" in line

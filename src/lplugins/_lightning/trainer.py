@@ -302,6 +302,21 @@ def batches_trained_in_epoch(trainer: pl.Trainer) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
 
+def batches_resumed_in_epoch(trainer: pl.Trainer) -> tuple[int, int]:
+    """After a restore, before the epoch loop resumes: the batches of the current epoch, and of the whole run,
+    that were trained, counted as Lightning counts them when it resumes (``_TrainingEpochLoop.reset``).
+
+    A save in ``on_train_batch_end`` has the batch processed but not yet completed (it counts); a save taken
+    while a batch was being trained (``OnExceptionCheckpoint``, a save in ``on_train_batch_start``) has it
+    started but not processed (it does not: Lightning trains it again).
+    """
+    progress: Any = trainer.fit_loop.epoch_loop.batch_progress
+    total = progress.total
+    at_batch_end = total.started == total.ready and total.processed == total.started == total.completed + 1
+    extra = 1 if at_batch_end else 0
+    return int(progress.current.completed) + extra, int(total.completed) + extra
+
+
 def shift_batches_trained_in_epoch(trainer: pl.Trainer, delta: int) -> None:
     """Move the fit loop's count of the epoch in progress by ``delta`` batches (a resume on another world size).
 

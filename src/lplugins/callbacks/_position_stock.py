@@ -10,7 +10,9 @@ puts in every loader under a multi-process strategy, shuffled or not). Then the 
 indices, as for lplugins' own checkpoints (:mod:`lplugins.callbacks._position`). Otherwise :func:`record`
 returns why not, for the one line that says the rest of the epoch comes from a fresh iterator.
 
-The checkpoint is taken to come from a run on this world size (a ``ModelCheckpoint`` file does not say).
+A ``ModelCheckpoint`` file does not say on how many ranks it was written. From its second epoch on, the
+batches of the epochs before (in its counters) tell whether this run's epochs have the same length
+(:func:`why_other_geometry`); in its first epoch, the file is taken to come from this world size.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
-__all__ = ["record", "why_order_unknown"]
+__all__ = ["record", "why_order_unknown", "why_other_geometry"]
 
 
 def why_order_unknown(index_sampler: Any) -> str | None:
@@ -41,6 +43,23 @@ def why_order_unknown(index_sampler: Any) -> str | None:
             " checkpoint without lplugins' data position does not hold"
         )
     return f"its sampler is a {kind.__name__}, whose order lplugins cannot know is the same after a restart"
+
+
+def why_other_geometry(before: int, epoch: int, total: float) -> str | None:
+    """Why the epochs the checkpoint counts are not this run's epochs, or ``None`` when they may be.
+
+    Args:
+        before: The batches the checkpoint's run trained before the current epoch (per rank).
+        epoch: The current epoch.
+        total: This run's batches per epoch (per rank; ``inf`` when unknown).
+    """
+    if total == float("inf") or before == epoch * int(total):
+        return None
+    return (
+        f"the checkpoint's run trained {before} batches in its {epoch} epoch(s) before this one, not"
+        f" {epoch} x {int(total)}: it had another number of batches per epoch (another world size, batch size or"
+        " data set), so where its epoch stopped is not known here"
+    )
 
 
 def record(index_sampler: Any, epoch: int) -> dict[str, Any]:

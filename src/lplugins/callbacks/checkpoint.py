@@ -344,6 +344,7 @@ class DurableCheckpoint(Checkpoint):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close()
+        self._position.detach()  # on_fit_end does not run after an exception: the loaders as they were
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

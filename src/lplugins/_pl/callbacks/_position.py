@@ -315,15 +315,18 @@ class DataPosition:
         trainer = self._fit
         if trainer is None or trainer.ckpt_path is None or self._why_loaded_unusable is not None:
             return None
-        batch, total = _lightning.batches_trained_in_epoch(trainer), trainer.num_training_batches
+        (batch, run), total = _lightning.batches_resumed_in_epoch(trainer), trainer.num_training_batches
         if batch <= 0:
             return None
         epoch = int(trainer.current_epoch)
+        other = _position_stock.why_other_geometry(run - batch, epoch, total)
         loaders = []
         for loader in _flatten(trainer.train_dataloader):
             wrapper = _wrapper_of(loader)
             if wrapper is None:
                 loaders.append({"kind": "stateful" if _is_stateful(loader) else "none", "why": _why_not(loader)})
+            elif other is not None:
+                loaders.append({"kind": "none", "why": other})
             else:
                 loaders.append(_position_stock.record(wrapper.inner, epoch))
         return {

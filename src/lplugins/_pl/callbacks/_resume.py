@@ -317,8 +317,9 @@ class LatestResolver:
         what = {
             DAMAGED: "damaged: its bytes do not match its commit marker",
             INCONSISTENT: "inconsistent: the state in it is not the one its commit marker describes",
-            DISALLOWED: "disallowed content: it holds objects torch.load(weights_only=True) refuses; nothing in"
-            " it was run. Left in place: load it with weights_only=False only if you wrote it and trust it",
+            DISALLOWED: "disallowed content: it holds objects torch.load(weights_only=True) refuses, or exceeds"
+            " lplugins' bounds for a checkpoint file; nothing in it was run. Left in place: load it with"
+            " weights_only=False only if you wrote it and trust it",
             UNREADABLE: "unreadable: loading it failed",
         }[kind]
         announce("lplugins: ckpt_path: %s %s (%s) [%s]%s", verb, path, what, detail, where)

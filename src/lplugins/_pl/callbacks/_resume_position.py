@@ -44,5 +44,8 @@ class ResumePosition(Callback):
             self._position.on_train_start(trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._position.detach()  # the user's DataLoaders and the strategy as they were, also after an exception
+        self._position.detach()  # the user's DataLoaders and the strategy as they were
         self._active = False
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after an exception

@@ -9,26 +9,58 @@ the CRC32 pass over the same pages (:func:`~lplugins.callbacks._verify.crc32_of`
 This is safe because a committed checkpoint file is immutable: it is written under a temporary name,
 fsynced, renamed into place atomically and committed by its marker afterwards; nothing opens it for
 writing again (retention deletes it, the quarantine renames it; a mapping keeps the bytes it mapped
-either way). Files of what ``torch.save`` writes for plain tensors and data are built by
-:func:`~lplugins.callbacks._mapped_build.fast_mapped_load` (C ``pickle`` into inert records, then an
-allow-list), the same objects in less than half the time; any other file goes through torch's own
-weights-only unpickler. The state Lightning copies into the model is released after the restore; the optimizer
+either way). Every load is torch's own weights-only unpickler, after the file's resource bounds are
+checked (:mod:`~lplugins.callbacks._bounds`: zip sizes, pickle nesting and work) on the same open file torch
+then reads (``/proc/self/fd``), so a file swapped after the check is not the one loaded. The state Lightning
+copies into the model is released after the restore; the optimizer
 state torch keeps as loaded (same dtype and device) stays on the mapping, its private copies made in the
 background (:mod:`~lplugins.callbacks._prefault`) before the first step writes it page by page.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
-from typing import Any
+import stat
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from lplugins.callbacks._mapped_build import fast_mapped_load
+from lplugins.callbacks._bounds import check_file
+from lplugins.callbacks._errors import UnsafeCheckpointError
 from lplugins.callbacks._prefault import prefault_writes
 from lplugins.callbacks._refusals import unsafe_error
 
-__all__ = ["SafeResumeIO", "can_map", "load_weights_only", "mapped_load", "warn_not_weights_only"]
+__all__ = ["SafeResumeIO", "can_map", "checked_load", "load_weights_only", "mapped_load", "warn_not_weights_only"]
+
+T = TypeVar("T")
+_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def checked_load(path: Any, load: Callable[[str], T], same_file: bool = True) -> T:
+    """Open the local file ``path`` once, check its resource bounds, and ``load`` that same open file.
+
+    ``load`` is given ``/proc/self/fd/N`` where the system has it and ``same_file`` (the file already opened,
+    whatever its name points to by then), else ``path`` (a ``CheckpointIO`` of the user's reads names its own
+    way). A path that is not a local file (a URL, a directory) is loaded as is.
+
+    Raises:
+        UnsafeCheckpointError: not a regular file, or a bound exceeded (:func:`lplugins.callbacks._bounds.check_file`).
+    """
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(name, str) or "://" in name or os.path.isdir(name):
+        return load(path)
+    fd = os.open(name, _FLAGS)  # non-blocking: a FIFO is refused below, never waited on
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeCheckpointError(f"Refusing to load checkpoint {name!r}: it is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as file:
+            check_file(name, file)
+        same = f"/proc/self/fd/{fd}"
+        return load(same if same_file and os.path.exists(same) else name)
+    finally:
+        os.close(fd)
 
 
 def load_weights_only(
@@ -39,10 +71,14 @@ def load_weights_only(
     Raises:
         UnsafeCheckpointError: the file holds objects outside torch's weights-only allow-list.
     """
-    try:
+
+    def load(target: Any) -> dict[str, Any]:
         if map_location is None:
-            return io.load_checkpoint(path, weights_only=weights_only)
-        return io.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return io.load_checkpoint(target, weights_only=weights_only)
+        return io.load_checkpoint(target, map_location=map_location, weights_only=weights_only)
+
+    try:
+        return checked_load(path, load, same_file=False) if weights_only else load(path)
     except pickle.UnpicklingError as err:
         raise unsafe_error(path, err) from err
 
@@ -72,21 +108,21 @@ def mapped_load(path: str, map_location: Any = None) -> dict[str, Any]:
     """
     import torch
 
-    if map_location is None:
-        fast = fast_mapped_load(path)  # the same objects, built without torch's pure-Python unpickler
-        if fast is not None:
-            return fast
     location = _keep_location if map_location is None else map_location
-    try:
+
+    def load(target: str) -> dict[str, Any]:
         try:
-            loaded: dict[str, Any] = torch.load(path, map_location=location, weights_only=True, mmap=True)
+            loaded: dict[str, Any] = torch.load(target, map_location=location, weights_only=True, mmap=True)
         except RuntimeError as err:
             if "mmap" not in str(err):
                 raise
-            loaded = torch.load(path, map_location=location, weights_only=True)
+            loaded = torch.load(target, map_location=location, weights_only=True)
+        return loaded
+
+    try:
+        return checked_load(path, load)
     except pickle.UnpicklingError as err:
         raise unsafe_error(path, err) from err
-    return loaded
 
 
 def _prefault_optimizer(loaded: Any) -> None:

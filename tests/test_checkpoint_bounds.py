@@ -1,0 +1,140 @@
+"""Resource bombs that pass the CRC check and torch's weights-only rules are refused before torch unpickles them,
+and the resume falls back to the next newest checkpoint (#38, item 3).
+
+Without the bounds (:mod:`lplugins.callbacks._bounds`), the hash bomb hangs ``torch.load`` for hours (2^40 tuple
+hashes), the shared lists hang every later walk of the state, a 10^5-deep nesting ends in a ``RecursionError``
+after the file was accepted, and the zip bomb makes torch inflate 1 GiB.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lplugins.callbacks import DurableCheckpoint
+from lplugins.callbacks._bounds import MAX_DEPTH, check_file, check_pickle
+from lplugins.callbacks._errors import UnsafeCheckpointError
+from lplugins.callbacks._record import COMMIT_SUFFIX, Record
+from tests.models import Regression, regression_loader
+
+QUIET = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+STEP2, STEP4 = "step=000000002-epoch=0000.ckpt", "step=000000004-epoch=0000.ckpt"
+
+
+def _shared_tuples(levels: int = 40) -> bytes:
+    """The pickle body (no header, no STOP) of ``levels`` nested tuples, each holding the one below twice."""
+    nested: tuple[object, ...] = ()
+    for _ in range(levels):
+        nested = (nested, nested)
+    return pickle.dumps(nested, protocol=2)[2:-1]  # memoized: ~10 bytes a level, never hashed here
+
+
+def _shared_lists(levels: int = 40) -> list[object]:
+    nested: list[object] = []
+    for _ in range(levels):
+        nested = [nested, nested]
+    return nested
+
+
+BOMBS = {
+    # a dict key of shared tuples: hashing it visits 2^40 tuples
+    "hash": (b"\x80\x02}" + _shared_tuples() + b"K\x01s.", "expand to more than"),
+    # a set of them (torch allows builtins.set)
+    "set": (b"\x80\x02c__builtin__\nset\n]" + _shared_tuples() + b"a\x85R.", "expand to more than"),
+    # a "billion laughs" in the optimizer state, which the background prefault and export walk
+    "laughs": (pickle.dumps({"optimizer_states": [_shared_lists()]}, protocol=2), "expand to more than"),
+    "laughs-protocol-4": (pickle.dumps({"optimizer_states": [_shared_lists()]}, protocol=4), "expand to more than"),
+    # lists nested 10^5 deep (a RecursionError in any walk)
+    "deep": (b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b".", f"nested more than {MAX_DEPTH} deep"),
+    # a list that holds itself (an endless walk)
+    "cycle": (b"\x80\x02]q\x00h\x00a.", "holds itself"),
+    # a list put 1000 times in another, then grown to 10^5 items: counted as used, not as first seen
+    "grown-after-use": (
+        b"\x80\x02]q\x000]q\x01(" + b"h\x00" * 1000 + b"eh\x00(" + b"K\x01" * 100_000 + b"e0.",
+        "expand to more than",
+    ),
+    "truncated": (pickle.dumps({"a": [1, 2]}, protocol=2)[:-3], "no STOP"),
+}
+
+
+def _zip(path: Path, data: bytes, compression: int = zipfile.ZIP_STORED) -> Path:
+    with zipfile.ZipFile(path, "w", compression) as archive:
+        archive.writestr("archive/data.pkl", data)
+    return path
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", list(BOMBS))
+def test_each_bomb_is_refused_naming_its_bound(tmp_path: Path, name: str) -> None:
+    data, why = BOMBS[name]
+    path = _zip(tmp_path / "bomb.ckpt", data)
+    with pytest.raises(UnsafeCheckpointError, match=why) as refused:
+        check_file(path)
+    assert str(path) in str(refused.value) and "nothing in it was unpickled" in str(refused.value)
+
+
+@pytest.mark.timeout(20)
+def test_a_zip_declaring_far_more_than_it_holds_is_refused(tmp_path: Path) -> None:
+    path = _zip(tmp_path / "zip.ckpt", b"\x80\x02]q\x00(" + b"K\x01" * 50_000_000 + b"e.", zipfile.ZIP_DEFLATED)
+    assert path.stat().st_size < 200_000
+    with pytest.raises(UnsafeCheckpointError, match=r"declare 100000008 bytes in a file of \d+ bytes"):
+        check_file(path)
+    (tmp_path / "raw.ckpt").write_bytes(b"a legacy or foreign file")
+    with pytest.raises(UnsafeCheckpointError, match="not a zip file"):
+        check_file(tmp_path / "raw.ckpt")
+
+
+def test_what_torch_and_lightning_write_passes(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    tied = torch.randn(4)
+    state = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "a": tied, "b": tied[1:]}
+    torch.save(state, tmp_path / "ok.ckpt")
+    check_file(tmp_path / "ok.ckpt")
+    check_pickle(pickle.dumps({"x": [1, (2, 3)], "y": {4}}, protocol=4))  # the general reader
+    check_pickle(b"\x80\x02" + b"]" * MAX_DEPTH + b"a" * (MAX_DEPTH - 1) + b".")  # as deep as allowed
+
+
+def _two_checkpoints(d: Path) -> None:
+    seed_everything(7, verbose=False)
+    trainer = Trainer(callbacks=[DurableCheckpoint(d, every_n_steps=2, keep_last=None)], max_steps=4, **QUIET)
+    trainer.fit(Regression(), regression_loader(32, batch_size=4))
+
+
+def _replace_committed(d: Path, name: str, data: bytes) -> None:
+    """Put ``data`` in place of a committed checkpoint, its marker rewritten to match: it passes every CRC check."""
+    (d / name).write_bytes(data)
+    marker = d / (name + COMMIT_SUFFIX)
+    record = Record.from_json(marker.read_bytes())
+    record.size, record.crc32 = len(data), zlib.crc32(data)
+    marker.write_bytes(record.to_json())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["hash", "laughs", "deep"])
+def test_a_bomb_as_the_newest_checkpoint_falls_back_to_the_one_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    d = tmp_path / "ckpts"
+    _two_checkpoints(d)
+    _replace_committed(d, STEP4, _zip(tmp_path / "bomb", BOMBS[name][0]).read_bytes())
+    caplog.set_level(logging.INFO, logger="lplugins")
+    trainer = Trainer(callbacks=[DurableCheckpoint(d, every_n_steps=100)], max_steps=6, **QUIET)
+    trainer.fit(Regression(), regression_loader(32, batch_size=4), ckpt_path="latest")
+    assert trainer.ckpt_path == str(d / STEP2) and trainer.global_step == 6
+    [skipped] = [r.getMessage() for r in caplog.records if "ckpt_path: skipped" in r.getMessage()]
+    assert STEP4 in skipped and BOMBS[name][1] in skipped
+    with pytest.raises(UnsafeCheckpointError, match=BOMBS[name][1]):  # named explicitly: refused, no fallback
+        Trainer(callbacks=[DurableCheckpoint(d)], max_steps=6, **QUIET).fit(
+            Regression(), regression_loader(32, batch_size=4), ckpt_path=str(d / STEP4)
+        )
+    assert (d / STEP4).exists()  # left in place, as torch's own refusals are
