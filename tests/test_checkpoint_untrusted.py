@@ -285,3 +285,25 @@ def test_a_fifo_in_the_conversion_cache_is_never_opened(tmp_path: Path) -> None:
     path, how = cached_conversion(str(source), "full.ckpt", lambda p: Path(p).write_bytes(b"made"))
     assert how.startswith("made (the one there was not used: it holds a link, FIFO or device")
     assert Path(path).read_bytes() == b"made" and not (root / "full.ckpt.json").is_fifo()
+
+
+def test_a_conversion_is_bound_to_the_commit_marker_of_its_source(tmp_path: Path) -> None:
+    """Same bytes count, same modification time, another commit (its CRC32s): the conversion is made again."""
+    source = tmp_path / "step=000000004-epoch=0000.ckpt"
+    source.write_bytes(b"source bytes")
+    marker = tmp_path / (source.name + ".commit")
+    marker.write_bytes(b'{"crc32": 1}')
+    built: list[str] = []
+
+    def build(tmp: str) -> None:
+        built.append(tmp)
+        Path(tmp).write_bytes(b"converted")
+
+    assert cached_conversion(str(source), "full.ckpt", build)[1] == "made"
+    assert cached_conversion(str(source), "full.ckpt", build)[1] == "reused" and len(built) == 1
+    stat_before = source.stat()
+    marker.write_bytes(b'{"crc32": 2}')  # re-committed: the source's size and time unchanged
+    os.utime(source, ns=(stat_before.st_atime_ns, stat_before.st_mtime_ns))
+    assert not committed(str(source), "full.ckpt")
+    how = cached_conversion(str(source), "full.ckpt", build)[1]
+    assert how.startswith("made") and "made from other bytes" in how and len(built) == 2

@@ -64,13 +64,34 @@ def _files(top: str) -> dict[str, int]:
     return found
 
 
+#: A committed checkpoint's commit marker: ``<checkpoint><suffix>`` beside it (``callbacks._record.COMMIT_SUFFIX``).
+MARKER_SUFFIX = ".commit"
+_MARKER_LIMIT = 16 * 2**20
+
+
+def _marker_bytes(source: str) -> bytes:
+    """The commit marker of ``source`` (its CRC32s), or ``b""``: never through a link, FIFO or device."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(source.rstrip("/\\") + MARKER_SUFFIX, flags)
+    except OSError:
+        return b""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(_MARKER_LIMIT)
+    finally:
+        os.close(fd)
+
+
 def fingerprint(source: str) -> str:
-    """The identity of a checkpoint's bytes as cheaply as they can be told apart: each file's path, size and
-    modification time (a checkpoint is written once and never changed in place)."""
-    entries = []
+    """The identity of a checkpoint's bytes: its commit marker (which holds their CRC32s, checked at every resume
+    before a conversion is used), and each file's path, size and modification time."""
+    entries = [f"marker:{zlib.crc32(_marker_bytes(source)):08x}"]
     for rel, size in sorted(_files(source).items()):
-        stat = os.stat(os.path.join(source, rel) if rel else source)
-        entries.append(f"{rel}:{size}:{stat.st_mtime_ns}")
+        stat_ = os.stat(os.path.join(source, rel) if rel else source)
+        entries.append(f"{rel}:{size}:{stat_.st_mtime_ns}")
     return f"{zlib.crc32(chr(10).join(entries).encode()):08x}-{len(entries)}"
 
 

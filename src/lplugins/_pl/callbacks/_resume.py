@@ -102,6 +102,8 @@ class LatestResolver:
         self.forget = forget
         #: What the last ``"latest"`` resolved to.
         self.resolved: str | None = None
+        #: The file loaded in place of the checkpoint resolved (its conversion to one full checkpoint), if any.
+        self.converted: str | None = None
         self._io: SafeResumeIO | None = None
         self._unhide: Callable[[], None] | None = None
         self._in_place = False
@@ -132,6 +134,7 @@ class LatestResolver:
         # a full unpickle (weights_only=False) runs code: every byte is checked before it, not while
         self._unpickles = _lightning.running_weights_only() is False
         self._in_place = in_place  # a strategy's own load: never memory-mapped under it
+        self.converted = None  # the file loaded in its place (a conversion), when another
         if isinstance(path, str) and path == LATEST:
             return self._load_latest(attempt, in_place)
         return self._load_explicit(os.fspath(path), attempt)
@@ -230,7 +233,8 @@ class LatestResolver:
         if full:  # converted from verified bytes only
             if can_verify(record) and (problem := check()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
-            result = self._attempt(portable_path(self.trainer, record, path), attempt)
+            self.converted = portable_path(self.trainer, record, path)
+            result = self._attempt(self.converted, attempt)
         elif not can_verify(record):
             result = self._attempt(path, attempt)
         elif not overlapped:  # before loading: deep, a full unpickle, or remote (one read at a time)
@@ -340,6 +344,11 @@ class LatestResolver:
             check = "every byte checked against its CRC32 before loading"
         else:
             check = "every byte checked against its CRC32 while loading"
+        if self.converted not in (None, resolved):
+            check = (
+                f"every byte checked against its CRC32, then its conversion {self.converted} loaded, made from those"
+                " bytes and checked against its own manifest"
+            )
         announce(
             "lplugins: ckpt_path='latest': resuming from %s (step %d, epoch %d, trigger: %s): the newest committed"
             " checkpoint in %s that loads and matches its commit marker (%s)%s",
