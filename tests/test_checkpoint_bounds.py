@@ -138,3 +138,51 @@ def test_a_bomb_as_the_newest_checkpoint_falls_back_to_the_one_before(
             Regression(), regression_loader(32, batch_size=4), ckpt_path=str(d / STEP4)
         )
     assert (d / STEP4).exists()  # left in place, as torch's own refusals are
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("deep", [False, True], ids=["checked-while-loading", "checked-before-loading"])
+def test_a_file_swapped_after_its_crc_check_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, deep: bool
+) -> None:
+    """An adversary's timing: the newest file is replaced (same bytes, another file) right after its CRC32 pass."""
+    from lplugins.callbacks import _resume
+
+    d = tmp_path / "ckpts"
+    _two_checkpoints(d)
+    real = _resume.bytes_problem
+
+    def then_swap(storage, record, *args, **kwargs):  # type: ignore[no-untyped-def]
+        problem = real(storage, record, *args, **kwargs)
+        if record.name == STEP4:
+            (d / "copy").write_bytes((d / STEP4).read_bytes())
+            (d / "copy").replace(d / STEP4)
+        return problem
+
+    monkeypatch.setattr(_resume, "bytes_problem", then_swap)
+    if not deep:  # the check runs beside the load: make it finish before the load opens the file
+        monkeypatch.setattr(_resume, "Overlapped", _CheckFirst)
+    caplog.set_level(logging.INFO, logger="lplugins")
+    trainer = Trainer(
+        callbacks=[DurableCheckpoint(d, every_n_steps=100, verify="deep" if deep else "quick")], max_steps=6, **QUIET
+    )
+    trainer.fit(Regression(), regression_loader(32, batch_size=4), ckpt_path="latest")
+    assert trainer.ckpt_path == str(d / STEP2)
+    [skipped] = [r.getMessage() for r in caplog.records if "ckpt_path: skipped" in r.getMessage()]
+    assert STEP4 in skipped and "is not the one whose CRC32 was checked" in skipped
+
+
+class _CheckFirst:
+    """``Overlapped`` with the check run at once, on this thread (so a swap after it lands before the load)."""
+
+    def __init__(self, check):  # type: ignore[no-untyped-def]
+        self._problem = check()
+
+    def __enter__(self) -> _CheckFirst:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def result(self):  # type: ignore[no-untyped-def]
+        return self._problem

@@ -18,12 +18,13 @@ import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
+from typing import Any
 
 from lplugins.callbacks._crc import crc32, crc32_combine
 from lplugins.callbacks._record import Record
 from lplugins.callbacks._storage import Storage
 
-__all__ = ["Overlapped", "bytes_problem", "can_verify", "crc32_of", "hash_threads"]
+__all__ = ["Overlapped", "bytes_problem", "can_verify", "crc32_of", "hash_threads", "identity"]
 
 _CHUNK = 8 << 20
 
@@ -44,19 +45,30 @@ def hash_threads() -> int:
     return max(1, min(4, cores - 1))
 
 
-def crc32_of(storage: Storage, name: str, threads: int | None = None, map_file: bool = True) -> int:
+def identity(fd: int) -> tuple[int, int, int, int]:
+    """Which file an open descriptor is, as a check and a load compare it: device, inode, size, modification time."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def crc32_of(
+    storage: Storage, name: str, threads: int | None = None, map_file: bool = True, seen: list[Any] | None = None
+) -> int:
     """The CRC32 of every byte of file ``name`` (``map_file=False``: read in pieces, nothing memory-mapped).
 
     A local file is memory-mapped and hashed by :func:`~lplugins.callbacks._crc.crc32` in as few calls
     as possible: each call releases the GIL for its whole range, so a load running on another thread is
     not held up (reading in pieces would take the GIL back after every piece), and no copy is made. A
     large one is split into ``threads`` ranges (default: :func:`hash_threads`) hashed in parallel and
-    joined with :func:`crc32_combine`. Other storage is read in 8 MiB pieces.
+    joined with :func:`crc32_combine`. Other storage is read in 8 MiB pieces. ``seen`` gets the
+    :func:`identity` of the local file hashed (opened beneath the directory, never through a link).
     """
     if not storage.parallel_reads or not map_file:
         return _range_crc32(storage, name, 0, None)
     threads = hash_threads() if threads is None else threads
-    with open(storage.path(name), "rb") as f:
+    with storage.open_read(name) as f:
+        if seen is not None:
+            seen.append(identity(f.fileno()))
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return 0
@@ -97,7 +109,9 @@ def _range_crc32(storage: Storage, name: str, start: int, length: int | None) ->
     return crc
 
 
-def bytes_problem(storage: Storage, record: Record, rank: int = 0, world: int = 1) -> str | None:
+def bytes_problem(
+    storage: Storage, record: Record, rank: int = 0, world: int = 1, seen: list[Any] | None = None
+) -> str | None:
     """Why the bytes of ``record``'s checkpoint do not match its marker, or ``None`` when they do.
 
     A file checkpoint is read whole on every rank (every rank loads all of it); of a directory
@@ -112,7 +126,7 @@ def bytes_problem(storage: Storage, record: Record, rank: int = 0, world: int = 
                     return f"{rel}: CRC32 {crc:#010x} != committed {record.crcs[rel]:#010x}"
             return None
         if record.crc32 is not None:
-            crc = crc32_of(storage, record.name)
+            crc = crc32_of(storage, record.name, seen=seen)
             return None if crc == record.crc32 else f"CRC32 {crc:#010x} != committed {record.crc32:#010x}"
         if record.zip_crc:
             with storage.open_read(record.name) as f:

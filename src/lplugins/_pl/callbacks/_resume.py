@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lplugins._pl import _lightning
 from lplugins._log import announce
+from lplugins._pl.callbacks import _safe_io
 from lplugins.callbacks._collective import agree_on_path, gather_failures
 from lplugins.callbacks._errors import (
     CheckpointResumeError,
@@ -229,7 +230,9 @@ class LatestResolver:
             raise DamagedCheckpointError(f"{path}: {problem}")
         check_resume(self.trainer, record, path)  # a strategy change its layout cannot follow: refused
         rank, world = self.trainer.global_rank, max(1, self.trainer.world_size)
-        check = functools.partial(bytes_problem, storage, record, rank, world)
+        seen: list[Any] = []  # the file the CRC32 pass read: the one loaded must be the same, unchanged
+        check = functools.partial(bytes_problem, storage, record, rank, world, seen=seen)
+        _safe_io.OPENED.pop(path, None)
         if full:  # converted from verified bytes only
             if can_verify(record) and (problem := check()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
@@ -253,6 +256,11 @@ class LatestResolver:
                     raise
             if (problem := job.result()) is not None:
                 raise DamagedCheckpointError(f"{path}: {problem}")
+        opened = _safe_io.OPENED.pop(path, None)
+        if seen and opened is not None and opened != seen[0]:
+            raise DamagedCheckpointError(
+                f"{path}: the file loaded is not the one whose CRC32 was checked (replaced or written meanwhile)"
+            )
         self._cross_check(record, result, path)
         self._adopt_moved_state(result)
         return result

@@ -31,10 +31,14 @@ from lplugins.callbacks._bounds import check_file
 from lplugins.callbacks._errors import UnsafeCheckpointError
 from lplugins.callbacks._prefault import prefault_writes
 from lplugins.callbacks._refusals import unsafe_error
+from lplugins.callbacks._verify import identity
 
 __all__ = ["SafeResumeIO", "can_map", "checked_load", "load_weights_only", "mapped_load", "warn_not_weights_only"]
 
 T = TypeVar("T")
+#: The :func:`~lplugins.callbacks._verify.identity` of each file :func:`checked_load` opened, by the path it was
+#: given: the resume compares it with the file its CRC32 pass read (the same file, unchanged, or refused).
+OPENED: dict[str, tuple[int, int, int, int]] = {}
 _FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -55,6 +59,7 @@ def checked_load(path: Any, load: Callable[[str], T], same_file: bool = True) ->
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafeCheckpointError(f"Refusing to load checkpoint {name!r}: it is not a regular file")
+        OPENED[name] = identity(fd)
         with os.fdopen(os.dup(fd), "rb") as file:
             check_file(name, file)
         same = f"/proc/self/fd/{fd}"
