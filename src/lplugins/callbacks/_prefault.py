@@ -48,7 +48,11 @@ def prefault_writes(tree: Any) -> None:
     if not _supported:
         return
     storages: dict[int, Any] = {}
-    _collect(tree, storages)
+    try:
+        _collect(tree, storages)
+    except Exception as err:  # an optimisation: never a reason for a resume to fail
+        log.debug("lplugins: no prefault (%s: %s)", type(err).__name__, err)
+        return
     if not storages:
         return
     try:
@@ -81,17 +85,21 @@ def wait_for_prefaults(timeout: float | None = None) -> None:
         thread.join(timeout)
 
 
-def _collect(node: Any, out: dict[int, Any]) -> None:
+def _collect(tree: Any, out: dict[int, Any]) -> None:
+    """The CPU storages in ``tree``, each container visited once (no recursion: any nesting, any sharing)."""
     import torch
 
-    if isinstance(node, torch.Tensor):
-        if node.device.type == "cpu" and node.layout == torch.strided:
-            storage = node.untyped_storage()
-            if storage.nbytes():
-                out.setdefault(storage.data_ptr(), storage)
-    elif isinstance(node, dict):
-        for value in node.values():
-            _collect(value, out)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            _collect(value, out)
+    seen: set[int] = set()
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, torch.Tensor):
+            if node.device.type == "cpu" and node.layout == torch.strided:
+                storage = node.untyped_storage()
+                if storage.nbytes():
+                    out.setdefault(storage.data_ptr(), storage)
+        elif isinstance(node, (dict, list, tuple)):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            todo.extend(node.values() if isinstance(node, dict) else node)
