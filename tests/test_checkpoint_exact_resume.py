@@ -257,3 +257,33 @@ def test_ddp_with_the_distributed_sampler_resumes_bit_for_bit(tmp_path: Path, wo
     job(tmp_path / "stopped", 2)  # batch 2 of 5 in epoch 0 (train-end save)
     job(tmp_path / "stopped", 8)  # batch 3 of 5 in epoch 1
     assert job(tmp_path / "stopped", 12) == reference
+
+
+class Epochs(Callback):
+    """Records ``(global_step, current_epoch, batch_idx)`` at every batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append((trainer.global_step, trainer.current_epoch, batch_idx))
+
+
+def test_the_epoch_count_after_a_max_steps_stop_is_the_uninterrupted_runs(tmp_path: Path) -> None:
+    # Lightning counts the epoch that max_steps stopped as finished in its train-end save; resumed, the rest of that
+    # epoch was numbered one higher (current_epoch, max_epochs, checkpoint names)
+    def run(root: Path, max_steps: int) -> tuple[Trainer, list[tuple[int, int, int]]]:
+        epochs = Epochs()
+        ckpt = DurableCheckpoint(root / "ckpts", every_n_steps=None, preemption_signals=())
+        trainer = Trainer(default_root_dir=root, max_steps=max_steps, callbacks=[ckpt, epochs], **QUIET)
+        trainer.fit(
+            Regression(FEATURES, seed=0), DataLoader(dataset(), batch_size=BATCH, shuffle=True), ckpt_path="latest"
+        )
+        return trainer, epochs.seen
+
+    reference, full = run(tmp_path / "reference", 25)
+    run(tmp_path / "stopped", 6)  # batch 6 of epoch 0's 10
+    run(tmp_path / "stopped", 17)  # batch 7 of epoch 1's
+    resumed, rest = run(tmp_path / "stopped", 25)
+    assert rest == full[17:]
+    assert (resumed.current_epoch, resumed.global_step) == (reference.current_epoch, reference.global_step) == (3, 25)

@@ -382,6 +382,11 @@ class DataPosition:
         rng, self._loaded_rng = self._loaded_rng, None
         why_unusable, self._why_loaded_unusable = self._why_loaded_unusable, None
         total = trainer.num_training_batches
+        if plan is not None and plan["offset"] and plan["mid_epoch"]:
+            # saved when max_steps stopped the run mid-epoch: Lightning counted that epoch as done; the epoch
+            # count is put back to the uninterrupted run's (the samplers already follow it)
+            _lightning.shift_epochs(trainer, plan["offset"])
+            plan["offset"] = 0
         if plan is None:
             if why_unusable:
                 announce("lplugins: DurableCheckpoint cannot restore the data position: %s.", why_unusable)

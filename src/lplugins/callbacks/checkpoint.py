@@ -261,9 +261,9 @@ class DurableCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         # The state restored (or the initial one) is a step boundary: the first micro-batches of the next
         # window run at the same global step and must not look like a new boundary (no save mid-window).
+        self._position.on_train_start(trainer)  # after a mid-epoch restore: same samples, same order, same epoch
         self._boundary_step = trainer.global_step
         self._boundary_epoch = trainer.current_epoch
-        self._position.on_train_start(trainer)  # after a mid-epoch restore: same samples, same order
         self._saves_before_fit = len(self.save_stalls)
         if not self.config.automatic_triggers:
             announce(

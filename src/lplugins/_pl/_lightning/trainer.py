@@ -318,6 +318,21 @@ def batches_resumed_in_epoch(trainer: pl.Trainer) -> tuple[int, int]:
     return int(progress.current.completed) + extra, int(total.completed) + extra
 
 
+def shift_epochs(trainer: pl.Trainer, delta: int) -> None:
+    """Move the fit loop's epoch count (``trainer.current_epoch``) by ``delta``, before the fit loop advances.
+
+    After a resume from a save that Lightning took when ``max_steps`` stopped a run mid-epoch: Lightning counted
+    that epoch as finished in the checkpoint, so the rest of it would be numbered one higher than in the run
+    that never stopped. The public ``epoch_progress`` counters, current and total.
+    """
+    progress: Any = trainer.fit_loop.epoch_progress
+    for tracker in (progress.current, progress.total):
+        tracker.ready += delta
+        tracker.started += delta
+        tracker.processed += delta
+        tracker.completed += delta
+
+
 def shift_batches_trained_in_epoch(trainer: pl.Trainer, delta: int) -> None:
     """Move the fit loop's count of the epoch in progress by ``delta`` batches (a resume on another world size).
 
