@@ -1,7 +1,7 @@
 """Resource bombs that pass the CRC check and torch's weights-only rules are refused before torch unpickles them,
 and the resume falls back to the next newest checkpoint (#38, item 3).
 
-Without the bounds (:mod:`lplugins.callbacks._bounds`), the hash bomb hangs ``torch.load`` for hours (2^40 tuple
+Without the bounds (:mod:`lplugins._bounds`), the hash bomb hangs ``torch.load`` for hours (2^40 tuple
 hashes), the shared lists hang every later walk of the state, a 10^5-deep nesting ends in a ``RecursionError``
 after the file was accepted, and the zip bomb makes torch inflate 1 GiB.
 """
@@ -18,8 +18,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
+from lplugins._bounds import MAX_DEPTH, check_file, check_pickle
 from lplugins.callbacks import DurableCheckpoint
-from lplugins.callbacks._bounds import MAX_DEPTH, check_file, check_pickle
 from lplugins.callbacks._errors import UnsafeCheckpointError
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record
 from tests.models import Regression, regression_loader

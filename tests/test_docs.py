@@ -91,7 +91,7 @@ def test_readme_quickstart_composes(lplugins_manager: object, tmp_path: Path, mo
 # ------------------------------------------------------------------------ docs/architecture.md
 SRC = DOCS.parent / "src" / "lplugins"
 COMPONENTS = ("callbacks", "accumulation", "precision", "strategies", "metrics")
-FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_env", "_coord", "rankzero")
+FOUNDATION = ("_lightning", "_validate", "_errors", "_log", "_env", "_coord", "rankzero", "_bounds")
 MACHINERY = ("_plugins", "hookspecs")
 
 
@@ -201,7 +201,7 @@ def _module_graph() -> dict[str, set[str]]:
 
 #: The layers of docs/architecture.md, bottom first: a module imports only from its own layer and below.
 LAYERS = (
-    ("_errors", "_validate", "_env"),
+    ("_errors", "_validate", "_env", "_bounds"),
     ("_lightning",),
     ("rankzero", "_log"),
     ("_coord",),

@@ -8,7 +8,8 @@ answered for by its watchdog. Rank 0's process hosts the store (outside torchrun
 agreement it waits until every rank has read the answers, so a clean run never ends with a rank that
 could not reach the store (``Board._release``).
 
-May import: the logger, :mod:`lplugins._coord.stacks` and :mod:`lplugins._coord.elastic`; torch inside
+May import: the logger, :mod:`lplugins._coord.stacks` and :mod:`lplugins._coord.elastic`; torch and
+:mod:`lplugins._lightning.runtime` (the one torch private it uses) inside
 functions.
 """
 
@@ -70,8 +71,10 @@ class Board:
     def __init__(self, group: Any) -> None:
         import torch.distributed as dist
 
+        from lplugins._lightning.runtime import default_store
+
         # the default store, the one the group was made with: set/get/add never pair with collectives
-        base = dist.distributed_c10d._get_default_store()
+        base = default_store()
         # weak references: holding the group or its store would keep rank 0's store server (its port) alive
         # after destroy_process_group, and a new group on the same port could not start
         self._store = weakref.ref(base)

@@ -24,7 +24,7 @@ collectives than another) are verdicts of :mod:`lplugins._coord.faults`. The bou
 step time (:mod:`lplugins._coord.settings`).
 
 May import: the logger, the board, ``_excepthook``, ``faults``, ``mismatch``, ``procs``, ``settings``,
-``stacks``; torch inside functions.
+``stacks``; torch and ``_lightning.runtime`` (its one torch private) inside functions.
 """
 
 from __future__ import annotations
@@ -306,9 +306,9 @@ class _Watchdog(threading.Thread):
 def _seq() -> int | None:
     """The default group's collective sequence number: how many collectives this rank has started."""
     try:
-        import torch.distributed as dist
+        from lplugins._lightning.runtime import collective_sequence
 
-        return int(dist.group.WORLD._get_sequence_number_for_group())  # type: ignore[union-attr]
+        return collective_sequence()
     except Exception:  # another backend or torch: the messages say "#None"
         return None
 

@@ -333,7 +333,7 @@ def weights_only_file(path: Any, allowed: tuple[str, ...], map_location: Any = N
     """
     import torch
 
-    from lplugins.callbacks._bounds import check_file
+    from lplugins._bounds import check_file
 
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
         check_file(path)  # resource bounds first (nesting, shared parts, zip sizes): docs/checkpoint.md

@@ -9,7 +9,7 @@ This is safe because a committed checkpoint file is immutable: it is written und
 fsynced, renamed into place atomically and committed by its marker afterwards; nothing opens it for
 writing again (retention deletes it, the quarantine renames it; a mapping keeps the bytes it mapped
 either way). Every load is torch's own weights-only unpickler, after the file's resource bounds are
-checked (:mod:`~lplugins.callbacks._bounds`: zip sizes, pickle nesting and work) on the same open file torch
+checked (:mod:`~lplugins._bounds`: zip sizes, pickle nesting and work) on the same open file torch
 then reads (``/proc/self/fd``), so a file swapped after the check is not the one loaded. The state Lightning
 copies into the model is released after the restore; the optimizer
 state torch keeps as loaded (same dtype and device) stays on the mapping, its private copies made in the
@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from lplugins.callbacks._bounds import check_file
+from lplugins._bounds import check_file
 from lplugins.callbacks._errors import UnsafeCheckpointError
 from lplugins.callbacks._prefault import prefault_writes
 from lplugins.callbacks._refusals import unsafe_error
@@ -49,7 +49,7 @@ def checked_load(path: Any, load: Callable[[str], T], same_file: bool = True) ->
     way). A path that is not a local file (a URL, a directory) is loaded as is.
 
     Raises:
-        UnsafeCheckpointError: not a regular file, or a bound exceeded (:func:`lplugins.callbacks._bounds.check_file`).
+        UnsafeCheckpointError: not a regular file, or a bound exceeded (:func:`lplugins._bounds.check_file`).
     """
     name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     if not isinstance(name, str) or "://" in name or os.path.isdir(name):

@@ -17,13 +17,30 @@ from typing import Any
 
 from lplugins._pl._lightning.registry import _private
 
-__all__ = ["logged_metric", "loaded_classes"]
+__all__ = ["collective_sequence", "default_store", "logged_metric", "loaded_classes"]
 
 _RESULT = "pytorch_lightning.trainer.connectors.logger_connector.result"
 _private(f"{_RESULT}._ResultMetric", "meta", "init", "the watchdog names the self.log call a rank waits in")
 _private(f"{_RESULT}._Metadata", "name", "field", "the metric's name, from a _ResultMetric on the stack")
 _private(f"{_RESULT}._Metadata", "fx", "field", "the hook that logged it")
 _private(f"{_RESULT}._Metadata", "sync", "class", "set when the value is synced across ranks (sync_dist)")
+_C10D = "torch.distributed.distributed_c10d"
+_private(_C10D, "_get_default_store", "class", "the failure board's keys live in the job's store")
+_private("torch.distributed.ProcessGroup", "_get_sequence_number_for_group", "class", "which collective a rank is in")
+
+
+def default_store() -> Any:
+    """The store of the default process group (the one the job's ranks met through)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def collective_sequence() -> int:
+    """How many collectives this rank has started on the default group (its sequence number)."""
+    import torch.distributed as dist
+
+    return int(dist.group.WORLD._get_sequence_number_for_group())  # type: ignore[union-attr]
 
 
 def logged_metric(frames: list[FrameType], is_library: Callable[[str], bool]) -> tuple[str, str] | None:

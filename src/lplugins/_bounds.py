@@ -30,7 +30,7 @@ import pickletools
 import zipfile
 from typing import Any, BinaryIO
 
-from lplugins.callbacks._errors import UnsafeCheckpointError
+from lplugins._errors import UnsafeCheckpointError
 
 __all__ = ["INFLATION", "MAX_DEPTH", "MAX_PICKLE_BYTES", "WORK_FLOOR", "WORK_PER_BYTE", "check_file", "check_pickle"]
 
