@@ -8,6 +8,7 @@ after the file was accepted, and the zip bomb makes torch inflate 1 GiB.
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import zipfile
@@ -186,3 +187,41 @@ class _CheckFirst:
 
     def result(self):  # type: ignore[no-untyped-def]
         return self._problem
+
+
+DDP_JOB = r"""
+import json, logging, sys
+import lightning.pytorch as pl
+from lplugins.callbacks import DurableCheckpoint
+from tests.models import Regression, regression_loader
+
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("lplugins").addHandler(Keep())
+resume = sys.argv[1] == "resume"
+cb = DurableCheckpoint("ckpts", every_n_steps=2, keep_last=None, save_on_train_end=False)
+t = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[cb], logger=False, enable_progress_bar=False,
+               enable_model_summary=False, max_steps=6 if resume else 4)
+model = Regression()
+t.fit(model, regression_loader(64, batch_size=4), ckpt_path="latest" if resume else None)
+with open(f"out.{t.global_rank}.json", "w") as f:
+    json.dump({"ckpt_path": t.ckpt_path, "steps_run": model.steps_run, "log": seen}, f)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_two_ranks_fall_back_together_past_a_bomb(tmp_path: Path) -> None:
+    from tests._dist import run_together
+
+    run_together(DDP_JOB, tmp_path, timeout=150, args=["train"]).check()  # steps 2 and 4
+    _replace_committed(tmp_path / "ckpts", STEP4, _zip(tmp_path / "bomb", BOMBS["hash"][0]).read_bytes())
+    run_together(DDP_JOB, tmp_path, timeout=60, args=["resume"]).check()  # a hang would be this timeout
+    out = [json.loads((tmp_path / f"out.{rank}.json").read_text()) for rank in (0, 1)]
+    assert [o["ckpt_path"] for o in out] == [str(Path("ckpts") / STEP2)] * 2
+    assert [o["steps_run"] for o in out] == [4, 4]
+    [skipped] = [line for line in out[0]["log"] if "ckpt_path: skipped" in line]
+    assert STEP4 in skipped and "expand to more than" in skipped
+    assert out[1]["log"] == []  # rank zero speaks
