@@ -19,7 +19,8 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from lplugins._bounds import MAX_DEPTH, check_file, check_pickle
+from lplugins._bounds import check_file, check_pickle
+from lplugins._bounds._pickle import MAX_DEPTH
 from lplugins.callbacks import DurableCheckpoint
 from lplugins.callbacks._errors import UnsafeCheckpointError
 from lplugins.callbacks._record import COMMIT_SUFFIX, Record
