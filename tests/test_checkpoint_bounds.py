@@ -63,6 +63,18 @@ BOMBS = {
         "expand to more than",
     ),
     "truncated": (pickle.dumps({"a": [1, 2]}, protocol=2)[:-3], "no STOP"),
+    # 1000 int keys that share one hash: building the dict is quadratic (10^5 of them: minutes)
+    "hash-flood": (
+        pickle.dumps({k * (2**61 - 1): 0 for k in range(1, 1001)}, protocol=2),
+        "keys that are large numbers",
+    ),
+    # bytearray(10**9) through REDUCE: torch allows bytearray, and would allocate a GB for 30 bytes
+    "bytearray": (b"\x80\x02c__builtin__\nbytearray\nJ\x00\xca\x9a\x3b\x85R.", "bytearray with a size"),
+    # _codecs.encode(..., "punycode"): torch allows _codecs.encode with any codec; punycode is quadratic
+    "punycode": (
+        b"\x80\x02c_codecs\nencode\nX\x03\x00\x00\x00abcX\x08\x00\x00\x00punycode\x86R.",
+        "another encoding than latin1",
+    ),
 }
 
 
@@ -93,6 +105,38 @@ def test_a_zip_declaring_far_more_than_it_holds_is_refused(tmp_path: Path) -> No
         check_file(tmp_path / "raw.ckpt")
 
 
+def _entries(path: Path, entries: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+    return path
+
+
+@pytest.mark.timeout(20)
+def test_a_zip_that_python_and_torch_would_read_differently_is_refused(tmp_path: Path) -> None:
+    bomb, empty = BOMBS["hash"][0], pickle.dumps({}, protocol=2)
+    # torch finds archive/data.pkl without case: it could read the bomb where Python reads {}
+    cased = _entries(tmp_path / "cased.ckpt", {"archive/DATA.PKL": bomb, "archive/data.pkl": empty})
+    with pytest.raises(UnsafeCheckpointError, match="same name but for case"):
+        check_file(cased)
+    good = _entries(tmp_path / "good.ckpt", {"archive/data.pkl": empty}).read_bytes()
+    check_file(tmp_path / "good.ckpt")
+    # bytes before the archive: Python's reader moves every offset, torch's reads what the end record says
+    (tmp_path / "prefixed.ckpt").write_bytes(b"JUNK" * 16 + good)
+    with pytest.raises(UnsafeCheckpointError, match="central directory is not where its end record says"):
+        check_file(tmp_path / "prefixed.ckpt")
+    (tmp_path / "trailing.ckpt").write_bytes(good + b"x")
+    with pytest.raises(UnsafeCheckpointError, match="a comment or bytes after it"):
+        check_file(tmp_path / "trailing.ckpt")
+    # an entry marked encrypted: zipfile raises its own error, refused naming the file
+    flagged = bytearray(good)
+    central = flagged.index(b"PK\x01\x02")
+    flagged[central + 8] |= 1
+    (tmp_path / "encrypted.ckpt").write_bytes(bytes(flagged))
+    with pytest.raises(UnsafeCheckpointError, match=r"encrypted.ckpt.*cannot be read as torch.save writes it"):
+        check_file(tmp_path / "encrypted.ckpt")
+
+
 def test_what_torch_and_lightning_write_passes(tmp_path: Path) -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
     optimizer = torch.optim.Adam(model.parameters())
@@ -103,6 +147,8 @@ def test_what_torch_and_lightning_write_passes(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "ok.ckpt")
     check_file(tmp_path / "ok.ckpt")
     check_pickle(pickle.dumps({"x": [1, (2, 3)], "y": {4}}, protocol=4))  # the general reader
+    # bytes and bytearrays (protocol 2 writes them with _codecs.encode(..., "latin1")), floats, big ints as values
+    check_pickle(pickle.dumps({"b": b"\x00\xff", "a": bytearray(b"xy"), "f": [0.5] * 1000, "i": 2**80}, protocol=2))
     check_pickle(b"\x80\x02" + b"]" * MAX_DEPTH + b"a" * (MAX_DEPTH - 1) + b".")  # as deep as allowed
 
 
@@ -122,7 +168,7 @@ def _replace_committed(d: Path, name: str, data: bytes) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", ["hash", "laughs", "deep"])
+@pytest.mark.parametrize("name", ["hash", "laughs", "deep", "hash-flood", "bytearray"])
 def test_a_bomb_as_the_newest_checkpoint_falls_back_to_the_one_before(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:
@@ -226,3 +272,17 @@ def test_two_ranks_fall_back_together_past_a_bomb(tmp_path: Path) -> None:
     [skipped] = [line for line in out[0]["log"] if "ckpt_path: skipped" in line]
     assert STEP4 in skipped and "expand to more than" in skipped
     assert out[1]["log"] == []  # rank zero speaks
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_that_is_not_a_dict_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    d = tmp_path / "ckpts"
+    _two_checkpoints(d)
+    torch.save([1, 2], tmp_path / "list")  # a real torch file, whose top level is a list
+    _replace_committed(d, STEP4, (tmp_path / "list").read_bytes())
+    caplog.set_level(logging.INFO, logger="lplugins")
+    trainer = Trainer(callbacks=[DurableCheckpoint(d, every_n_steps=100)], max_steps=6, **QUIET)
+    trainer.fit(Regression(), regression_loader(32, batch_size=4), ckpt_path="latest")
+    assert trainer.ckpt_path == str(d / STEP2)
+    [skipped] = [r.getMessage() for r in caplog.records if "ckpt_path: skipped" in r.getMessage()]
+    assert STEP4 in skipped and "holds a list, not a checkpoint's dict" in skipped
