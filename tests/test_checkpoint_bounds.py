@@ -66,10 +66,32 @@ BOMBS = {
     # 1000 int keys that share one hash: building the dict is quadratic (10^5 of them: minutes)
     "hash-flood": (
         pickle.dumps({k * (2**61 - 1): 0 for k in range(1, 1001)}, protocol=2),
-        "keys that are large numbers",
+        "keys of a dict or set of it share one hash",
+    ),
+    # the same with keys that are tuples of such ints, or complex numbers: no large number in sight
+    "hash-flood-tuples": (
+        pickle.dumps({(k * (2**61 - 1),): 0 for k in range(1, 1001)}, protocol=2),
+        "keys of a dict or set of it share one hash",
+    ),
+    "hash-flood-complex": (
+        pickle.dumps({complex(-1000003 * k, k): 0 for k in range(1, 1001)}, protocol=2),
+        "keys of a dict or set of it share one hash",
     ),
     # bytearray(10**9) through REDUCE: torch allows bytearray, and would allocate a GB for 30 bytes
-    "bytearray": (b"\x80\x02c__builtin__\nbytearray\nJ\x00\xca\x9a\x3b\x85R.", "bytearray with a size"),
+    "bytearray": (b"\x80\x02c__builtin__\nbytearray\nJ\x00\xca\x9a\x3b\x85R.", "bytearray with something else"),
+    # ... or with a string and a slow codec; or through torch._tensor._rebuild_from_type_v2, which calls its first
+    # argument with its third
+    "bytearray-codec": (
+        b"\x80\x02c__builtin__\nbytearray\nX\x03\x00\x00\x00abcX\x08\x00\x00\x00punycode\x86R.",
+        "bytearray with something else",
+    ),
+    "bytearray-from-type": (
+        b"\x80\x02ctorch._tensor\n_rebuild_from_type_v2\n(c__builtin__\nbytearray\nctorch\nTensor\n"
+        b"J\x00\xca\x9a;\x85}tR.",
+        "bytearray with something else",
+    ),
+    # torch.FloatTensor(5e8): a legacy constructor torch allows, 2 GB for 30 bytes
+    "legacy-constructor": (b"\x80\x02ctorch\nFloatTensor\nJ\x00e\xcd\x1d\x85R.", "FloatTensor with a size"),
     # _codecs.encode(..., "punycode"): torch allows _codecs.encode with any codec; punycode is quadratic
     "punycode": (
         b"\x80\x02c_codecs\nencode\nX\x03\x00\x00\x00abcX\x08\x00\x00\x00punycode\x86R.",
@@ -149,6 +171,16 @@ def test_what_torch_and_lightning_write_passes(tmp_path: Path) -> None:
     check_pickle(pickle.dumps({"x": [1, (2, 3)], "y": {4}}, protocol=4))  # the general reader
     # bytes and bytearrays (protocol 2 writes them with _codecs.encode(..., "latin1")), floats, big ints as values
     check_pickle(pickle.dumps({"b": b"\x00\xff", "a": bytearray(b"xy"), "f": [0.5] * 1000, "i": 2**80}, protocol=2))
+    # keys whose hashes are many but distinct: floats, 64-bit ids, tuples of ints, complex numbers
+    keyed = {
+        "floats": {i + 0.5: i for i in range(1000)},
+        "ids": {2**56 + i: 0 for i in range(1000)},
+        "u64": {2**63 + 7919 * i: 0 for i in range(1000)},
+        "pairs": {(i, i + 1): 0 for i in range(1000)},
+        "complex": {complex(i, 1): 0 for i in range(1000)},
+        "set": set(range(1000)),
+    }
+    check_pickle(pickle.dumps(keyed, protocol=2))
     check_pickle(b"\x80\x02" + b"]" * MAX_DEPTH + b"a" * (MAX_DEPTH - 1) + b".")  # as deep as allowed
 
 
@@ -168,7 +200,7 @@ def _replace_committed(d: Path, name: str, data: bytes) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", ["hash", "laughs", "deep", "hash-flood", "bytearray"])
+@pytest.mark.parametrize("name", ["hash", "laughs", "deep", "hash-flood-tuples", "bytearray-from-type"])
 def test_a_bomb_as_the_newest_checkpoint_falls_back_to_the_one_before(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str
 ) -> None:

@@ -20,9 +20,12 @@ Each would hang or crash the resume *after* the file was accepted, where nothing
 * a ``data.pkl`` over :data:`MAX_PICKLE_BYTES`;
 * an object graph (:mod:`lplugins._bounds._pickle`) nested deeper than 100, one that refers to itself, one
   that expands (each shared part counted every time it is used) to more than 16 objects per pickled byte
-  (10^7 at least), one with more containers than the file's size allows; a dict or set with more than 64
-  keys that are large numbers or floats; ``bytearray`` called with a size; ``_codecs.encode`` with another
-  encoding than latin1.
+  (10^7 at least), one with more containers or memo entries than the file's size allows; a dict or set with
+  more than 64 keys of one hash (numbers, tuples, complex numbers and ``torch.Size`` of them can be chosen to
+  collide; strings are hashed at random per process) or whose hash cannot be known; ``bytearray`` of anything
+  but bytes; ``_codecs.encode`` with another encoding than latin1; a legacy tensor constructor
+  (``torch.FloatTensor(n)``) with a size; each of these also when called through
+  ``torch._tensor._rebuild_from_type_v2``.
 
 A checkpoint Lightning writes nests about 8 deep and expands to a few objects per pickled byte. A refusal
 raises :class:`~lplugins._errors.UnsafeCheckpointError` naming the file and the bound; the resume treats it
@@ -44,10 +47,10 @@ from lplugins._errors import UnsafeCheckpointError
 
 __all__ = ["INFLATION", "MAX_PICKLE_BYTES", "check_file", "check_pickle"]
 
-MAX_PICKLE_BYTES = 256 * 2**20
+MAX_PICKLE_BYTES = 64 * 2**20
 INFLATION = 2
-#: Bytes of file per container the pickle may build, beyond the first million (about 140 bytes of memory each).
-FILE_BYTES_PER_NODE = 64
+#: Bytes of file per container (or memo entry) the pickle may have, beyond the first two million (~150 bytes each).
+FILE_BYTES_PER_NODE = 16
 
 _EOCD = struct.Struct("<4s4H2LH")  # signature, disks, entries (2), directory size, directory offset, comment
 _ZIP64_LOCATOR = struct.Struct("<4sLQL")

@@ -2,14 +2,16 @@
 
 Every container the pickle builds becomes a :class:`_Node` that keeps its expanded size (each shared part
 counted every time it is used, as a hash or a walk visits it) and its depth as it is built; plain values
-are leaves (``None``, or a marker where their kind matters: a number whose hash others can share, a short
-string, a callable torch allows that can be made to hurt). Two readers build the same graph: a fast one,
+are leaves: numbers and short strings as their values (a dict key's hash must be known to bound how many
+keys share one), a marker for strings whose hash the process draws at random, and the callables torch allows
+whose arguments decide what calling them costs. Two readers build the same graph: a fast one,
 by byte code, for protocol 2 as ``torch.save`` writes it, and :func:`pickletools.genops` for the rest.
 """
 
 from __future__ import annotations
 
 import pickletools
+import struct
 from typing import Any
 
 __all__ = ["Bounds", "check_pickle"]
@@ -17,8 +19,8 @@ __all__ = ["Bounds", "check_pickle"]
 MAX_DEPTH = 100
 WORK_PER_BYTE = 16
 WORK_FLOOR = 10_000_000
-NODES_FLOOR = 1_000_000
-#: How many keys of one dict or set may be numbers whose hashes an attacker can make equal (large ints, floats).
+NODES_FLOOR = 2_000_000
+#: How many keys of one dict or set may share one hash (numbers, tuples of them... can be chosen to collide).
 MAX_SHARED_HASH_KEYS = 64
 
 
@@ -27,7 +29,7 @@ class Bounds(Exception):
 
 
 class _Leaf:
-    """A plain value whose kind matters."""
+    """A plain value whose kind matters (numbers and short strings are kept as their Python values)."""
 
     __slots__ = ("name",)
 
@@ -35,18 +37,24 @@ class _Leaf:
         self.name = name
 
 
-_NUM, _BIG = _Leaf("a number"), _Leaf("a number whose hash others can share")
+#: A value whose hash the process draws at random (a long string, bytes): no key of it can be made to collide.
+_RANDOM = _Leaf("a string")
+_TORCH = "torch."
 #: Callables torch's weights-only unpickler allows whose arguments decide what calling them costs.
 _KEYED = frozenset(
     f"{module}.{name}"
     for module in ("builtins", "__builtin__", "collections")
     for name in ("set", "frozenset", "dict", "Counter", "OrderedDict", "defaultdict")
 )
-_WATCHED = _KEYED | {"builtins.bytearray", "__builtin__.bytearray", "_codecs.encode"}
+_BYTEARRAY = frozenset({"builtins.bytearray", "__builtin__.bytearray"})
+_COMPLEX = frozenset({"builtins.complex", "__builtin__.complex"})
+_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"  # calls its first argument with its third
+_WATCHED = _KEYED | _BYTEARRAY | _COMPLEX | {"_codecs.encode", "torch.Size", _FROM_TYPE}
+_UNKNOWN_HASH = -1 - 2**64  # the bucket of keys whose hash cannot be known before loading
 
 
 class _Fn(_Leaf):
-    """A global that :data:`_WATCHED` names."""
+    """A global that :data:`_WATCHED` names, or a legacy tensor constructor (``torch.FloatTensor``...)."""
 
 
 class _Node:
@@ -56,14 +64,17 @@ class _Node:
     torch.save writes) makes the whole graph measured again at the end.
     """
 
-    __slots__ = ("big", "depth", "kids", "size", "used")
+    __slots__ = ("depth", "hashes", "kids", "kind", "size", "used")
 
-    def __init__(self, state: _State, kids: list[Any] | None = None) -> None:
+    def __init__(self, state: _State | None, kids: list[Any] | None = None, kind: str = "") -> None:
+        self.kids: list[Any] = kids if kids is not None else []
+        self.size, self.depth, self.used, self.kind = 1, 0, False, kind
+        self.hashes: dict[int, int] | None = None  # as a dict or set: how many of its keys have each hash
+        if state is None:  # a scratch counter of keys
+            return
         state.nodes += 1
         if state.nodes > state.node_limit:
             raise Bounds(f"it builds more than {state.node_limit} containers")
-        self.kids: list[Any] = kids if kids is not None else []
-        self.size, self.depth, self.used, self.big = 1, 0, False, 0
         if kids:
             _add(state, self, kids)
 
@@ -107,39 +118,86 @@ def _into(state: _State, target: Any, items: list[Any], keys: list[Any] | None =
     if target.used:  # inside another container already: the sizes kept are stale, measured again at the end
         state.late = True
     if keys:
-        target.big += sum(1 for key in keys if key is _BIG)
-        _shared_hashes(target.big)
+        _count_hashes(target, keys)
     target.kids.extend(items)
     _add(state, target, items)
 
 
-def _shared_hashes(count: int) -> None:
-    if count > MAX_SHARED_HASH_KEYS:
-        raise Bounds(
-            f"a dict or set of it has more than {MAX_SHARED_HASH_KEYS} keys that are large numbers (numbers can be"
-            " chosen to share one hash, which makes building it quadratic)"
-        )
+def _key_value(key: Any, depth: int = 0) -> Any:
+    """The value of a key whose hash does not depend on the process (numbers, tuples and calls of them),
+    ``_RANDOM`` when its hash is drawn at random per process, or ``_UNKNOWN_HASH`` when it cannot be known here."""
+    if key is None or isinstance(key, (bool, int, float)):
+        return key
+    if key is _RANDOM or isinstance(key, bytes):
+        return _RANDOM
+    if key.__class__ is not _Node or depth > 4 or len(key.kids) > 64:
+        return _UNKNOWN_HASH
+    parts: list[Any] | None = None
+    if key.kind == "tuple":
+        parts = key.kids
+    elif key.kind == "torch.Size" and len(key.kids) == 2 and key.kids[1].__class__ is _Node:
+        inner = key.kids[1].kids
+        parts = inner[0].kids if len(inner) == 1 and inner[0].__class__ is _Node else None
+    elif key.kind in _COMPLEX and len(key.kids) == 2 and key.kids[1].__class__ is _Node:
+        values = [_key_value(kid, depth + 1) for kid in key.kids[1].kids]
+        if 1 <= len(values) <= 2 and all(isinstance(v, (int, float)) for v in values):
+            return complex(*values)
+        return _UNKNOWN_HASH
+    if parts is None:
+        return _UNKNOWN_HASH
+    values = [_key_value(kid, depth + 1) for kid in parts]
+    if any(v is _RANDOM for v in values):
+        return _RANDOM
+    return _UNKNOWN_HASH if any(v is _UNKNOWN_HASH for v in values) else tuple(values)
+
+
+def _count_hashes(target: _Node, keys: list[Any]) -> None:
+    """Keys of a dict or set: at most :data:`MAX_SHARED_HASH_KEYS` of them share one hash (or have one unknown)."""
+    counts = target.hashes if target.hashes is not None else {}
+    target.hashes = counts
+    for key in keys:
+        value = _key_value(key)
+        if value is _RANDOM:
+            continue
+        try:
+            digest = _UNKNOWN_HASH if value is _UNKNOWN_HASH else hash(value)
+        except TypeError:  # nothing Python can hash: torch's unpickler refuses it
+            digest = _UNKNOWN_HASH
+        counts[digest] = counts.get(digest, 0) + 1
+        if counts[digest] > MAX_SHARED_HASH_KEYS:
+            raise Bounds(
+                f"more than {MAX_SHARED_HASH_KEYS} keys of a dict or set of it share one hash (or have one that"
+                " cannot be known before loading): building it would be quadratic"
+            )
 
 
 def _call(state: _State, fn: Any, args: Any) -> _Node:
     """``REDUCE``: ``fn(*args)``, checked when ``fn`` is a watched callable."""
-    if fn.__class__ is _Fn:
-        first = args.kids[0] if args.__class__ is _Node and args.kids else None
-        if fn.name.endswith(".bytearray") and first.__class__ is _Leaf:
-            raise Bounds("it calls bytearray with a size (it would allocate that many bytes)")
-        if fn.name == "_codecs.encode":
-            encoding = args.kids[-1] if args.__class__ is _Node and len(args.kids) == 2 else None
-            if encoding not in (b"latin1", b"latin-1"):
-                raise Bounds("it calls _codecs.encode with another encoding than latin1 (torch.save writes only that)")
-        if fn.name in _KEYED:
-            _shared_hashes(_big_within(args, 3))
-    return _Node(state, [fn, args])
+    _check_call(fn, args, 0)
+    return _Node(state, [fn, args], fn.name if fn.__class__ is _Fn else "")
 
 
-def _big_within(node: Any, depth: int) -> int:
-    if node.__class__ is not _Node or depth == 0:
-        return 1 if node is _BIG else 0
-    return sum(_big_within(kid, depth - 1) for kid in node.kids)
+def _check_call(fn: Any, args: Any, depth: int) -> None:
+    if fn.__class__ is not _Fn:
+        return
+    kids = args.kids if args.__class__ is _Node else []
+    name = fn.name
+    if name == _FROM_TYPE and len(kids) >= 3 and depth < 4:  # (func, type, args, state): func(*args)
+        _check_call(kids[0], kids[2], depth + 1)
+    elif name in _BYTEARRAY:
+        made_from = kids[0] if len(kids) == 1 else None
+        if not (isinstance(made_from, bytes) or (made_from.__class__ is _Node and made_from.kind == "_codecs.encode")):
+            raise Bounds("it calls bytearray with something else than bytes (a size allocates, a codec can be slow)")
+    elif name == "_codecs.encode":
+        if len(kids) != 2 or kids[1] not in (b"latin1", b"latin-1"):
+            raise Bounds("it calls _codecs.encode with another encoding than latin1 (torch.save writes only that)")
+    elif name in _KEYED and kids and kids[0].__class__ is _Node:
+        first = kids[0]
+        pairs = name.rsplit(".", 1)[1] in ("dict", "OrderedDict", "defaultdict")
+        keys = [p.kids[0] for p in first.kids if p.__class__ is _Node and p.kids] if pairs else first.kids
+        _count_hashes(_Node(None), keys)
+    elif name.startswith(_TORCH) and name.endswith("Tensor") and any(isinstance(k, int) for k in kids):
+        raise Bounds(f"it calls {name} with a size (a legacy constructor: it allocates)")
 
 
 def check_pickle(data: bytes, node_limit: int = NODES_FLOOR) -> None:
@@ -176,17 +234,18 @@ _NOTHING = frozenset({"PROTO", "FRAME", "STOP", "NEXT_BUFFER", "READONLY_BUFFER"
 
 def _value(op: str, arg: Any) -> Any:
     """The leaf for a value opcode of the general reader."""
-    if op in _INT_OPS:
-        return _BIG if isinstance(arg, int) and abs(arg) >= 2**61 - 1 else _NUM
-    if op in ("FLOAT", "BINFLOAT"):
-        return _BIG
+    if op in _INT_OPS or op in ("FLOAT", "BINFLOAT", "NONE"):
+        return arg
+    if op in ("NEWTRUE", "NEWFALSE"):
+        return op == "NEWTRUE"
     if op in _STRING_OPS and isinstance(arg, str) and len(arg) <= 32:
         return arg.encode("utf-8", "replace")
-    return None
+    return _RANDOM if isinstance(arg, (str, bytes)) else None
 
 
 def _global(name: str) -> Any:
-    return _Fn(name) if name in _WATCHED else None
+    legacy = name.startswith(_TORCH) and name.endswith("Tensor") and name.count(".") == 1
+    return _Fn(name) if name in _WATCHED or legacy else None
 
 
 def _graph(state: _State, data: bytes) -> Any:
@@ -206,14 +265,14 @@ def _graph(state: _State, data: bytes) -> Any:
                 node = _Node(state)
                 _into(state, node, items, items[0::2] if name == "DICT" else items)
             else:
-                node = _Node(state, items)
+                node = _Node(state, items, "tuple" if name == "TUPLE" else "")
             stack.append(node)
         elif name == "REDUCE":
             args = stack.pop()
             stack.append(_call(state, stack.pop(), args))
         elif name in _MAKE_N:
             count = _MAKE_N[name]
-            node = _Node(state, stack[-count:])
+            node = _Node(state, stack[-count:], "tuple" if name.startswith("TUPLE") else "")
             del stack[-count:]
             stack.append(node)
         elif name in ("APPEND", "SETITEM", "BUILD"):
@@ -228,11 +287,11 @@ def _graph(state: _State, data: bytes) -> Any:
             keys = items[0::2] if name == "SETITEMS" else items if name == "ADDITEMS" else None
             _into(state, stack[-1], items, keys)
         elif name in _EMPTY:
-            stack.append(_Node(state))
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[int(arg)] = stack[-1]  # type: ignore[arg-type]  # an int for the PUT opcodes
-        elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1]
+            stack.append(_Node(state, None, "tuple" if name == "EMPTY_TUPLE" else ""))
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            memo[len(memo) if name == "MEMOIZE" else int(arg)] = stack[-1]  # type: ignore[arg-type]  # an int
+            if len(memo) > state.node_limit:
+                raise Bounds(f"it keeps more than {state.node_limit} objects in its memo")
         elif name in ("GET", "BINGET", "LONG_BINGET"):
             stack.append(memo[int(arg)])  # type: ignore[arg-type]  # an int for the GET opcodes
         elif name == "GLOBAL":
@@ -255,12 +314,10 @@ def _graph(state: _State, data: bytes) -> Any:
 
 
 # The fast reader: protocol 2 as torch.save writes it, by byte code (several times faster than genops).
-_SKIP = [-1] * 256  # a value's argument: its size
-for _code, _size in ((b"N", 0), (b"\x88", 0), (b"\x89", 0)):
-    _SKIP[_code[0]] = _size
-_NUMBER = {ord("K"): 1, ord("M"): 2, ord("J"): 4}
+_FLOAT = struct.Struct(">d")
+_NUMBER = {ord("K"): 1, ord("M"): 2}
 _POP_MAKE = {0x85: 1, 0x86: 2, 0x87: 3, ord("Q"): 1}  # TUPLE1-3, BINPERSID
-_EMPTY_CODES = frozenset(b")]}\x8f")
+_EMPTY_CODES = frozenset(b"]}\x8f")
 
 
 def _graph_v2(state: _State, data: bytes) -> Any:
@@ -282,23 +339,26 @@ def _graph_v2(state: _State, data: bytes) -> Any:
             i += 1
         elif op == 0x58:  # BINUNICODE
             length = int.from_bytes(data[i : i + 4], "little")
-            push(data[i + 4 : i + 4 + length] if length <= 32 else None)
+            push(data[i + 4 : i + 4 + length] if length <= 32 else _RANDOM)
             i += 4 + length
         elif op in _NUMBER:
-            push(_NUM)
+            push(int.from_bytes(data[i : i + _NUMBER[op]], "little"))
             i += _NUMBER[op]
+        elif op == 0x4A:  # BININT
+            push(int.from_bytes(data[i : i + 4], "little", signed=True))
+            i += 4
         elif op == 0x28:  # MARK
             marks.append(len(stack))
         elif op == 0x74:  # TUPLE
             start = marks.pop()
-            node = _Node(state, stack[start:])
+            node = _Node(state, stack[start:], "tuple")
             del stack[start:]
             push(node)
         elif op in _POP_MAKE:
             count = _POP_MAKE[op]
             if len(stack) < count:
                 raise IndexError
-            node = _Node(state, stack[-count:])
+            node = _Node(state, stack[-count:], "tuple" if op != 0x51 else "")
             del stack[-count:]
             push(node)
         elif op == 0x52:  # REDUCE
@@ -311,6 +371,8 @@ def _graph_v2(state: _State, data: bytes) -> Any:
             _into(state, stack[-1], items, items[0::2] if op == 0x75 else None)
         elif op in _EMPTY_CODES:
             push(_Node(state))
+        elif op == 0x29:  # EMPTY_TUPLE
+            push(_Node(state, None, "tuple"))
         elif op == 0x73 or op == 0x61 or op == 0x62:  # SETITEM, APPEND, BUILD
             count = 2 if op == 0x73 else 1
             if len(stack) <= count:
@@ -321,21 +383,24 @@ def _graph_v2(state: _State, data: bytes) -> Any:
         elif op == 0x72:  # LONG_BINPUT
             memo[int.from_bytes(data[i : i + 4], "little")] = stack[-1]
             i += 4
+            if len(memo) > state.node_limit:
+                raise Bounds(f"it keeps more than {state.node_limit} objects in its memo")
         elif op == 0x6A:  # LONG_BINGET
             push(memo[int.from_bytes(data[i : i + 4], "little")])
             i += 4
         elif op == 0x47:  # BINFLOAT
-            push(_BIG)
+            push(_FLOAT.unpack_from(data, i)[0])
             i += 8
         elif op == 0x8A:  # LONG1
-            push(_BIG if data[i] >= 8 else _NUM)
+            push(int.from_bytes(data[i + 1 : i + 1 + data[i]], "little", signed=True))
             i += 1 + data[i]
         elif op == 0x55:  # SHORT_BINSTRING
-            push(None)
+            push(_RANDOM)
             i += 1 + data[i]
-        elif _SKIP[op] >= 0:
+        elif op == 0x4E:  # NONE
             push(None)
-            i += _SKIP[op]
+        elif op == 0x88 or op == 0x89:  # NEWTRUE, NEWFALSE
+            push(op == 0x88)
         elif op == 0x63:  # GLOBAL: module and name, each ended by a newline
             j = data.index(b"\n", i)
             k = data.index(b"\n", j + 1)

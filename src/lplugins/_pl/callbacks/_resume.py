@@ -294,7 +294,7 @@ class LatestResolver:
     def _cross_check(record: Record, loaded: Any, path: str) -> None:
         """The loaded state must be the one the marker describes (its step; its epoch, or the next at an epoch end)."""
         if not isinstance(loaded, dict):
-            return
+            raise InconsistentCheckpointError(f"{path}: it holds a {type(loaded).__name__}, not a checkpoint's dict")
         step, epoch = loaded.get("global_step"), loaded.get("epoch")
         problems = []
         if isinstance(step, int) and step != record.global_step:

@@ -83,7 +83,7 @@ def load_weights_only(
         return io.load_checkpoint(target, map_location=map_location, weights_only=weights_only)
 
     try:
-        return checked_load(path, load, same_file=False) if weights_only else load(path)
+        return checked_load(path, load, same_file=can_map(io)) if weights_only else load(path)
     except pickle.UnpicklingError as err:
         raise unsafe_error(path, err) from err
 
